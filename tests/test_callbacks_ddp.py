@@ -1,0 +1,72 @@
+"""The Q/K/V callbacks under a 2-process CPU DDP fit (gloo) equal a single-process fit from the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.test_train_e2e import TINY_SWIN, events
+from vitlab.callbacks._state import load_snapshot
+from vitlab.cli import fit
+
+
+def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_epochs": 2,
+            "accelerator": "cpu",
+            "devices": devices,
+            "strategy": "ddp_spawn" if devices > 1 else "auto",
+            "limit_train_batches": 1,  # one step per epoch over the whole train split: order cannot matter
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger", "init_args": {"save_dir": str(save_dir), "name": "ddp", "default_hp_metric": False}},
+            "callbacks": [
+                {"class_path": "vitlab.callbacks.QKVSnapshot"},
+                {"class_path": "vitlab.callbacks.QKVDrift"},
+                {"class_path": "vitlab.callbacks.QKSpectra"},
+            ],
+        },
+        "model": {**TINY_SWIN, "lr": 1e-2, "warmup_epochs": 0.0},
+        # 8 patients x 4 slices, half of the patients in validation: 16 training images = one global batch
+        "data": {"root": str(manifest), "image_size": 32, "batch_size": batch_size, "num_workers": 0, "augment": "none", "val_fraction": 0.5},
+    }
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path = save_dir / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    fit(["--config", str(path)])
+    return save_dir / "ddp" / "version_0"
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
+    single = run(tiny_dataset, tmp_path / "single", devices=1, batch_size=16)
+    ddp = run(tiny_dataset, tmp_path / "ddp", devices=2, batch_size=8)
+
+    # rank 0 alone wrote: one run folder, one event file, each snapshot once
+    assert [p.name for p in (tmp_path / "ddp" / "ddp").iterdir()] == ["version_0"]
+    assert len(list(ddp.glob("events.out.tfevents.*"))) == 1
+    names = sorted(p.name for p in (ddp / "qkv").iterdir() if not p.name.startswith("."))
+    assert names == sorted(p.name for p in (single / "qkv").iterdir() if not p.name.startswith("."))
+    assert "epoch_002.safetensors" in names
+
+    # same weights after training (gradient all-reduce vs one big batch: float rounding only)
+    a, _ = load_snapshot(single / "qkv" / "epoch_002.safetensors")
+    b, _ = load_snapshot(ddp / "qkv" / "epoch_002.safetensors")
+    ref, _ = load_snapshot(single / "qkv" / "epoch_000.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert not torch.equal(a["stage0.block0.q.weight"], ref["stage0.block0.q.weight"])
+
+    # and the same drift / spectra metrics in TensorBoard
+    ea, eb = events(single), events(ddp)
+    tags = [t for t in ea.Tags()["scalars"] if t.startswith(("drift/", "drift_global/", "spectra/"))]
+    assert len(tags) > 50 and set(tags) <= set(eb.Tags()["scalars"])
+    for tag in tags:
+        va, vb = [e.value for e in ea.Scalars(tag)], [e.value for e in eb.Scalars(tag)]
+        assert [e.step for e in ea.Scalars(tag)] == [e.step for e in eb.Scalars(tag)], tag
+        assert va == pytest.approx(vb, rel=1e-3, abs=1e-6), tag

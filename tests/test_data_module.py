@@ -1,0 +1,274 @@
+"""vitlab.data.MedicalDataModule: attributes, batches, splits, bad files, workers, cache, CLI construction."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import albumentations as A
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pydicom.data import get_testdata_file
+
+import vitlab.data.dataset as dataset_module
+from vitlab.data import MedicalDataModule, SkippedFileWarning, read_image
+from vitlab.data.io import ImageReadError
+from vitlab.data.layouts import patient_overlap
+
+TRUNCATED = get_testdata_file("MR_truncated.dcm", download=False)
+
+
+def png_folders(root: Path, per_class: int = 6, size: int = 16) -> Path:
+    rng = np.random.default_rng(0)
+    for label in ("benign", "malignant"):
+        for i in range(per_class):
+            (root / label).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (size, size), dtype=np.uint8)).save(root / label / f"{i}.png")
+    return root
+
+
+def module(root, **kwargs) -> MedicalDataModule:
+    defaults = dict(image_size=32, batch_size=4, num_workers=0, augment="none", val_fraction=0.25)
+    return MedicalDataModule(root=str(root), **{**defaults, **kwargs})
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.calls = []
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((metrics, step))
+
+
+def test_attributes_exist_after_init_without_decoding(tiny_dataset, monkeypatch):
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("__init__ must not decode pixels")
+
+    monkeypatch.setattr(dataset_module, "read_with_options", no_decoding)
+    dm = module(tiny_dataset, in_chans=3)
+    assert (dm.num_classes, dm.class_names, dm.in_chans) == (2, ["lesion", "no_lesion"], 3)
+    dm.setup("fit")  # header checks and the split need no decoding either
+    assert len(dm.samples("train")) + len(dm.samples("val")) == 32
+
+
+@pytest.mark.parametrize("in_chans", [1, 3])
+def test_batches_are_normalised_images_with_int64_labels(tiny_dataset, in_chans):
+    mean, std = [0.3, 0.4, 0.5][:in_chans], [0.2, 0.25, 0.5][:in_chans]
+    dm = module(tiny_dataset, in_chans=in_chans, mean=mean, std=std)  # image_size 32 = native size: no resize
+    dm.setup("fit")
+    images, labels = next(iter(dm.val_dataloader()))
+    assert images.shape == (4, in_chans, 32, 32) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64
+    samples = dm.samples("val")[:4]
+    for image, label, sample in zip(images, labels, samples):
+        raw = torch.from_numpy(read_image(sample.path))  # (32, 32) in [0, 1]
+        expected = (raw[None] - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+        torch.testing.assert_close(image, expected, atol=1e-5, rtol=0)
+        assert dm.class_names[label] == sample.label
+
+
+def test_default_stats_are_imagenet_averaged_for_one_channel(tiny_dataset):
+    assert module(tiny_dataset).mean == pytest.approx((np.mean([0.485, 0.456, 0.406]),))
+    assert module(tiny_dataset, in_chans=3).std == (0.229, 0.224, 0.225)
+
+
+@pytest.mark.parametrize("augment", ["none", "light", "default", "strong"])
+def test_every_recipe_resizes_to_image_size(tmp_path, augment):
+    dm = module(png_folders(tmp_path, size=20), image_size=24, augment=augment, in_chans=3)
+    dm.setup("fit")
+    images, _ = next(iter(dm.train_dataloader()))
+    assert images.shape == (4, 3, 24, 24) and torch.isfinite(images).all()
+
+
+def test_user_transforms_get_resize_and_normalize_appended(tmp_path):
+    root = png_folders(tmp_path, size=16)
+    flip = A.Compose([A.HorizontalFlip(p=1.0)])
+    dm = module(root, image_size=16, train_transforms=flip, mean=[0.5], std=[0.5])
+    dataset = dm.dataset("train", augmented=True)
+    image, _ = dataset[0]
+    raw = torch.from_numpy(read_image(dataset.samples[0].path))
+    torch.testing.assert_close(image[0], (raw.flip(-1) - 0.5) / 0.5, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="contains Normalize"):
+        module(root, train_transforms=A.Compose([A.Normalize()]))
+
+
+def test_two_workers_draw_different_augmentations(tmp_path):
+    root = png_folders(tmp_path, per_class=1, size=32)
+    dm = module(root, augment="strong", num_workers=2, batch_size=1, val_fraction=0.0)
+    dataset = dm.dataset("train", augmented=True)
+    dataset.samples, dataset.labels = [dataset.samples[0]] * 4, [0] * 4  # one image, four draws
+
+    def first_two_batches(worker_init_fn):
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=1, num_workers=2, worker_init_fn=worker_init_fn,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        batches = iter(loader)
+        return next(batches)[0], next(batches)[0]  # batch 0 from worker 0, batch 1 from worker 1
+
+    loader = dm.train_dataloader()
+    assert loader.persistent_workers and loader.worker_init_fn is not None
+    worker0, worker1 = first_two_batches(loader.worker_init_fn)
+    assert not torch.equal(worker0, worker1)
+    # control: without the reseeding hook both forked workers replay the same albumentations draws
+    same0, same1 = first_two_batches(None)
+    assert torch.equal(same0, same1)
+
+
+def test_patient_grouped_split_is_deterministic(tiny_dataset):
+    first, second, other = module(tiny_dataset), module(tiny_dataset), module(tiny_dataset, seed=5)
+    val = {s.path for s in first.samples("val")}
+    assert val == {s.path for s in second.samples("val")}
+    assert val != {s.path for s in other.samples("val")}
+    samples = first.samples("train") + first.samples("val")
+    assert patient_overlap(samples) == {}
+    assert len({s.patient_id for s in first.samples("val")}) == 2  # 25 % of 8 patients
+    assert first.split_counts()["val"] == {"lesion": 4, "no_lesion": 4}
+
+
+def test_test_split_and_empty_validation(tiny_dataset):
+    dm = module(tiny_dataset)
+    assert not dm.has_test
+    with pytest.raises(ValueError, match="no test split"):
+        dm.test_dataloader()
+    with_test = module(tiny_dataset, test_fraction=0.25)
+    assert with_test.has_test and len(with_test.samples("test")) == 8
+    assert next(iter(with_test.test_dataloader()))[0].shape == (4, 1, 32, 32)
+    assert module(tiny_dataset, val_fraction=0.0).val_dataloader() == []
+
+
+def test_manifest_split_column_is_used_and_leaks_are_warned(tiny_dataset, tmp_path):
+    rows = list(csv.DictReader(open(tiny_dataset)))
+    manifest = tmp_path / "split.csv"
+    with open(manifest, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["path", "label", "split", "patient_id"])
+        for i, row in enumerate(rows):  # alternate rows: every patient in train and val
+            writer.writerow([tiny_dataset.parent / row["path"], row["label"], "train" if i % 2 else "val", row["patient_id"]])
+    dm = module(manifest)
+    with pytest.warns(UserWarning, match="appear in several splits"):
+        dm.setup("fit")
+    assert len(dm.samples("val")) == 16 and len(dm.samples("train")) == 16
+
+
+def test_bad_files_are_skipped_counted_and_logged(tmp_path):
+    root = png_folders(tmp_path / "data")
+    shutil.copy(TRUNCATED, root / "benign" / "broken.dcm")
+    with pytest.raises(ImageReadError, match="broken.dcm"):
+        module(root, on_bad_file="error").setup("fit")
+    dm = module(root)
+    logger = RecordingLogger()
+    dm.trainer = SimpleNamespace(loggers=[logger])
+    with pytest.warns(SkippedFileWarning, match="broken.dcm: truncated"):
+        dm.setup("fit")
+    assert dm.skipped_files == 1
+    assert logger.calls == [({"data/skipped_files": 1.0}, 0)]
+    assert all(s.path.name != "broken.dcm" for split in ("train", "val") for s in dm.samples(split))
+
+
+def test_file_failing_only_at_decode_is_replaced_with_a_warning(tmp_path):
+    root = png_folders(tmp_path / "data")
+    bad = root / "benign" / "0.png"
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])  # header intact, pixels cut
+    dm = module(root, val_fraction=0.0)
+    dataset = dm.dataset("train")
+    index = [s.path for s in dataset.samples].index(bad)
+    with pytest.warns(SkippedFileWarning, match="0.png"):
+        image, label = dataset[index]
+    replacement, replacement_label = dataset[(index + 1) % len(dataset)]
+    torch.testing.assert_close(image, replacement)
+    assert label == replacement_label
+    strict = module(root, val_fraction=0.0, on_bad_file="error").dataset("train")
+    with pytest.raises(ImageReadError, match="0.png"):
+        strict[index]
+
+
+def test_decoded_array_cache(tiny_dataset, tmp_path):
+    cache_dir = tmp_path / "cache"
+    dm = module(tiny_dataset, cache=True, cache_dir=str(cache_dir), window="soft_tissue")
+    dataset = dm.dataset("train")
+    first = [dataset[i][0] for i in range(len(dataset))]
+    entries = sorted(cache_dir.rglob("*.npy"))
+    assert len(entries) == len(dataset)
+    path = dataset.samples[0].path
+    np.testing.assert_array_equal(dataset.load_array(0), read_image(path, window="soft_tissue"))
+    stamps = [e.stat().st_mtime_ns for e in entries]
+    second = [dataset[i][0] for i in range(len(dataset))]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert [e.stat().st_mtime_ns for e in entries] == stamps  # read back, not rewritten
+    # other read options or a modified source file get their own entries
+    module(tiny_dataset, cache=True, cache_dir=str(cache_dir)).dataset("train").load_array(0)
+    assert len(list(cache_dir.rglob("*.npy"))) == len(dataset) + 1
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dataset.parent, copy)
+    other = module(copy / "manifest.csv", cache=True, cache_dir=str(cache_dir), window="soft_tissue").dataset("train")
+    before = other.cache.entry(other.samples[0].path)
+    os.utime(other.samples[0].path, ns=(1, 1))
+    assert other.cache.entry(other.samples[0].path) != before
+    # never inside the data folder
+    with pytest.raises(ValueError, match="inside the data folder"):
+        module(tiny_dataset, cache=True, cache_dir=str(tiny_dataset.parent / "cache"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"in_chans": 2}, "in_chans must be 1"),
+        ({"frames": "all"}, "frames='all'"),
+        ({"val_fraction": 0.6, "test_fraction": 0.4}, "sum to less than 1"),
+        ({"on_bad_file": "ignore"}, "on_bad_file"),
+        ({"window": "abdomen"}, "valid presets: brain"),
+        ({"augment": "heavy"}, "valid: none, light, default, strong"),
+        ({"mean": [0.1, 0.2]}, "mean has 2 values"),
+        ({"image_size": 0}, "image_size must be a positive int"),
+        ({"embedded_kwargs": {"colour": 1}}, "unknown embedded dataset argument"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(tiny_dataset, kwargs, pattern):
+    root = None if "embedded_kwargs" in kwargs else tiny_dataset
+    with pytest.raises(ValueError, match=pattern):
+        MedicalDataModule(root=root if root is None else str(root), **kwargs)
+
+
+def test_missing_root_is_one_line_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MedicalDataModule(root=str(tmp_path / "missing"))
+
+
+def test_embedded_dataset_when_root_is_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "vitlab-cache"))
+    dm = MedicalDataModule(image_size=32, num_workers=0, embedded_kwargs={"patients": 4, "slices": 2, "size": 32})
+    assert dm.root.parent.parent == tmp_path / "vitlab-cache"
+    assert dm.class_names == ["lesion", "no_lesion"] and dm.num_classes == 2
+
+
+def test_lightning_cli_style_construction_from_yaml(tiny_dataset):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(MedicalDataModule, "data")
+    config = parser.parse_string(f"""
+data:
+  root: {tiny_dataset}
+  image_size: 32
+  num_workers: 0
+  frames: 0
+  mean: [0.5]
+  std: [0.25]
+  train_transforms:
+    class_path: albumentations.Compose
+    init_args:
+      transforms:
+        - class_path: albumentations.VerticalFlip
+          init_args: {{p: 1.0}}
+""")
+    dm = parser.instantiate_classes(config).data
+    assert isinstance(dm.user_transforms, A.Compose) and dm.read_options.frames == 0
+    image, _ = dm.dataset("train", augmented=True)[0]
+    assert image.shape == (1, 32, 32)

@@ -1,0 +1,3 @@
+"""vitlab: fine-tune Vision Transformers on medical images and see inside them while they learn."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,42 @@
+"""Pure tensor analyses: tensors in, tensors / dataclasses out (no Lightning, no files, no logging).
+
+Every formula of SPEC §3-§6 lives here once; callbacks and probes gather tensors through
+``vitlab.models`` and call these functions.
+"""
+
+from vitlab.analysis.drift import ROW_METRICS, head_grid, matrix_drift, row_drift
+from vitlab.analysis.mi import (
+    MIDistanceCurves,
+    binned_mi,
+    copula_normalize,
+    gaussian_copula_mi,
+    ksg_mi,
+    mi_vs_distance,
+)
+from vitlab.analysis.rollout import attention_rollout, pool_tokens, rollout_map
+from vitlab.analysis.spectra import QKSpectra, effective_rank, qk_matrices, qk_spectra
+from vitlab.analysis.stats import AngleStats, attention_vs_angle, excess_kurtosis, linear_cka
+
+__all__ = [
+    "ROW_METRICS",
+    "row_drift",
+    "matrix_drift",
+    "head_grid",
+    "QKSpectra",
+    "qk_spectra",
+    "qk_matrices",
+    "effective_rank",
+    "MIDistanceCurves",
+    "copula_normalize",
+    "gaussian_copula_mi",
+    "binned_mi",
+    "ksg_mi",
+    "mi_vs_distance",
+    "excess_kurtosis",
+    "linear_cka",
+    "AngleStats",
+    "attention_vs_angle",
+    "attention_rollout",
+    "rollout_map",
+    "pool_tokens",
+]

@@ -1,0 +1,118 @@
+"""Attention rollout (Abnar & Zuidema 2020) and token-grid helpers (SPEC §6)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention_rollout", "rollout_map", "pool_tokens"]
+
+_FUSIONS = ("mean", "max", "min")
+
+
+def attention_rollout(
+    attentions: Sequence[Tensor],
+    residual_weight: float = 0.5,
+    head_fusion: Literal["mean", "max", "min"] = "mean",
+) -> Tensor:
+    """Roll attention out through the layers: R = A_hat_L ... A_hat_1.
+
+    A_hat_l = (1 - w) * fuse_h(A_l) + w * I, rows renormalised to sum to 1 (the identity stands for the
+    residual path), with w = ``residual_weight``; with the defaults A_hat = mean_h(A)/2 + I/2.
+    Uniform attention gives R = w^L I + (1 - w^L) 11^T / N.
+
+    Args:
+        attentions: per layer, in forward order, (B, H, N, N) post-softmax attention (rows = queries), all
+            with the same N. Swin stages differ in N: pool earlier stages with :func:`pool_tokens` first.
+        residual_weight: w in [0, 1].
+        head_fusion: how heads are combined: "mean" (the paper), "max" or "min".
+
+    Returns:
+        (B, N, N) rollout; row i is how much query token i draws from each input token. float32 for
+        half-precision input, else the input dtype.
+    """
+    if len(attentions) == 0:
+        raise ValueError("attention_rollout: need at least one attention tensor")
+    if head_fusion not in _FUSIONS:
+        raise ValueError(f"attention_rollout: head_fusion must be one of {_FUSIONS}, got {head_fusion!r}")
+    if not 0.0 <= residual_weight <= 1.0:
+        raise ValueError(f"attention_rollout: residual_weight must be in [0, 1], got {residual_weight}")
+    first = attentions[0]
+    if first.ndim != 4 or first.shape[-1] != first.shape[-2]:
+        raise ValueError(f"attention_rollout: layer 0 attention must be (B, H, N, N), got {tuple(first.shape)}")
+    batch, _, tokens, _ = first.shape
+    dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
+    eye = torch.eye(tokens, dtype=dtype, device=first.device)  # (N, N)
+    rollout = eye.expand(batch, tokens, tokens)
+    for layer, attn in enumerate(attentions):
+        if attn.ndim != 4 or attn.shape[0] != batch or attn.shape[-2:] != (tokens, tokens):
+            raise ValueError(
+                f"attention_rollout: layer {layer} attention has shape {tuple(attn.shape)}, expected "
+                f"({batch}, H, {tokens}, {tokens}); pool stages of other resolutions with pool_tokens"
+            )
+        a = attn.detach().to(dtype)
+        fused = a.mean(1) if head_fusion == "mean" else a.amax(1) if head_fusion == "max" else a.amin(1)  # (B, N, N)
+        a_hat = (1.0 - residual_weight) * fused + residual_weight * eye  # (B, N, N)
+        a_hat = a_hat / a_hat.sum(-1, keepdim=True)  # rows sum to 1
+        rollout = a_hat @ rollout  # (B, N, N): later layers multiply from the left
+    return rollout
+
+
+def rollout_map(rollout: Tensor, num_prefix_tokens: int, grid: tuple[int, int]) -> Tensor:
+    """Rollout as an image-shaped map over the patch grid.
+
+    With prefix tokens (CLS, distillation, registers) the map is the first prefix token's row over the patch
+    tokens, R[:, 0, prefix:]; without any (Swin, Mixer, GAP models) it is the mean over all query rows.
+
+    Args:
+        rollout: (B, N, N) from :func:`attention_rollout`.
+        num_prefix_tokens: tokens before the patch tokens.
+        grid: (H, W) patch grid, H * W = N - num_prefix_tokens, row-major.
+
+    Returns:
+        (B, H, W) map.
+    """
+    if rollout.ndim != 3 or rollout.shape[-1] != rollout.shape[-2]:
+        raise ValueError(f"rollout_map: rollout must be (B, N, N), got {tuple(rollout.shape)}")
+    tokens = rollout.shape[-1]
+    if num_prefix_tokens < 0 or len(grid) != 2 or grid[0] * grid[1] != tokens - num_prefix_tokens:
+        raise ValueError(
+            f"rollout_map: grid {tuple(grid)} with {num_prefix_tokens} prefix tokens does not match N = {tokens} "
+            "(need H * W = N - num_prefix_tokens)"
+        )
+    rows = rollout[:, 0] if num_prefix_tokens > 0 else rollout.mean(1)  # (B, N)
+    return rows[:, num_prefix_tokens:].reshape(-1, grid[0], grid[1])
+
+
+def pool_tokens(attn_dense: Tensor, grid: tuple[int, int], factor: int = 2) -> Tensor:
+    """Pool a token x token attention matrix onto a coarser grid (Swin patch merging between stages).
+
+    Each coarse token merges a factor x factor block of fine tokens with equal weights (1/4 for factor 2):
+    a coarse query row is the mean of its fine query rows, and a coarse key column the sum of its fine key
+    columns, so rows that summed to 1 still do. Pool earlier-stage attention to the last stage's grid,
+    then roll out all layers at that resolution.
+
+    Args:
+        attn_dense: (..., N, N) attention over tokens of a row-major (H, W) grid, N = H * W.
+        grid: (H, W), both divisible by ``factor``.
+        factor: merge factor per side (2 per Swin stage; 2**k to jump k stages).
+
+    Returns:
+        (..., N / factor^2, N / factor^2) pooled attention.
+    """
+    rows, cols = grid
+    tokens = attn_dense.shape[-1]
+    if attn_dense.ndim < 2 or attn_dense.shape[-2] != tokens or rows * cols != tokens:
+        raise ValueError(
+            f"pool_tokens: attention {tuple(attn_dense.shape)} must be (..., N, N) with N = H*W of grid {tuple(grid)}"
+        )
+    if factor < 1 or rows % factor or cols % factor:
+        raise ValueError(f"pool_tokens: factor {factor} must be >= 1 and divide both grid sides {tuple(grid)}")
+    lead = attn_dense.shape[:-2]
+    r, c, f = rows // factor, cols // factor, factor
+    blocks = attn_dense.reshape(*lead, r, f, c, f, r, f, c, f)  # query (r, f, c, f) x key (r, f, c, f)
+    pooled = blocks.mean(dim=(-7, -5)).sum(dim=(-3, -1))  # (..., r, c, r, c)
+    return pooled.reshape(*lead, r * c, r * c)

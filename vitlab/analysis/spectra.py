@@ -1,0 +1,175 @@
+"""Spectra of the query-key bilinear form (SPEC §4, seed 002).
+
+Head h of an attention layer scores token pairs with logit_ij = hd^-1/2 x_i^T M_h x_j (+ bias terms), where
+M_h = Wq_h^T Wk_h (C x C) and Wq_h, Wk_h (hd x C) are the head's rows of the query / key weights. This is
+the poster's W_Q W_K^T (it writes x W, torch writes W x). M_h splits into a symmetric part S = (M + M^T)/2
+("similarity") and an antisymmetric part A = (M - M^T)/2.
+
+Everything is computed exactly through the low-rank form: with U = [Wq_h^T, Wk_h^T] (C x 2hd) = Q R,
+M_h = Q P Q^T with P = R_q R_k^T (2hd x 2hd), R_q, R_k the first / last hd columns of R. Since Q has
+orthonormal columns, S, A and M share their nonzero spectra with (P + P^T)/2, (P - P^T)/2 and P, which are
+small. No C x C eigendecomposition is ever done per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["QKSpectra", "qk_spectra", "qk_matrices", "effective_rank"]
+
+
+@dataclass(frozen=True)
+class QKSpectra:
+    """Spectral summary of M = Wq^T Wk per head (all float64, sorted descending).
+
+    With k = min(C, 2hd) (the rank bound of S):
+
+    Attributes:
+        sym_eigvals: (H, k) eigenvalues of S = (M + M^T)/2 that can be nonzero; S's other C - k are 0.
+        asym_imag: (H, k // 2) the lambda >= 0 of A = (M - M^T)/2's eigenvalue pairs +-i*lambda.
+        singular_values: (H, min(C, hd)) singular values of M (its rank is at most hd).
+        positive_mass: (H,) rho+ = sum_{lambda>0} lambda / sum |lambda| over S's spectrum (NaN when S = 0).
+        symmetry_score: (H,) (|S|_F^2 - |A|_F^2) / |M|_F^2 in [-1, 1]: 1 symmetric, -1 antisymmetric.
+        effective_rank: (H,) Roy & Vetterli's effective rank of M (see :func:`effective_rank`).
+        summed: the same fields for the head-summed matrix sum_h M_h = Wq^T Wk (one "head" of width C, so
+            H = 1 there and k = C), or None when not requested.
+    """
+
+    sym_eigvals: Tensor
+    asym_imag: Tensor
+    singular_values: Tensor
+    positive_mass: Tensor
+    symmetry_score: Tensor
+    effective_rank: Tensor
+    summed: QKSpectra | None = None
+
+    @property
+    def num_heads(self) -> int:
+        """Number of heads H (leading dimension of every field)."""
+        return self.sym_eigvals.shape[0]
+
+
+def effective_rank(singular_values: Tensor) -> Tensor:
+    """Effective rank exp(H(p)) of p = sigma / sum(sigma) (Roy & Vetterli 2007).
+
+    It equals r for r equal nonzero singular values and is 1 for a rank-one matrix; a zero matrix gets 0.
+
+    Args:
+        singular_values: (..., n) nonnegative singular values.
+
+    Returns:
+        (...) effective ranks, in the input's dtype (at least float32).
+    """
+    if singular_values.ndim == 0:
+        raise ValueError("effective_rank: need singular values along the last dimension, got a 0-d tensor")
+    sv = singular_values if singular_values.is_floating_point() else singular_values.float()
+    if (sv < 0).any():
+        raise ValueError("effective_rank: singular values must be >= 0, got negative entries")
+    total = sv.sum(-1, keepdim=True)  # (..., 1)
+    p = sv / total.clamp_min(torch.finfo(sv.dtype).tiny)  # (..., n)
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0
+    return torch.where(total.squeeze(-1) > 0, entropy.exp(), 0.0)
+
+
+def _split_heads(wq: Tensor, wk: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """Check shapes and return Wq_h, Wk_h as (H, hd, C) views (dtype unchanged)."""
+    if wq.ndim != 2 or wq.shape != wk.shape:
+        raise ValueError(
+            f"qk_spectra: wq and wk must be 2-D (heads*hd, C) weights of equal shape, got {tuple(wq.shape)} "
+            f"and {tuple(wk.shape)}"
+        )
+    rows, width = wq.shape
+    if num_heads < 1 or rows % num_heads:
+        raise ValueError(f"qk_spectra: num_heads={num_heads} must be >= 1 and divide the {rows} rows of wq")
+    shape = (num_heads, rows // num_heads, width)
+    if wq.is_complex() or wk.is_complex():
+        raise ValueError(f"qk_spectra: need real weights, got dtypes {wq.dtype} and {wk.dtype}")
+    return wq.detach().reshape(shape), wk.detach().to(wq.device).reshape(shape)
+
+
+def _spectra(wq_h: Tensor, wk_h: Tensor) -> QKSpectra:
+    """Spectra of M_h = wq_h^T wk_h for a batch of heads; wq_h, wk_h (H, hd, C), any real dtype."""
+    heads, hd, width = wq_h.shape
+    if 2 * hd < width:  # low rank: go to the orthonormal basis of range(U), U = [Wq_h^T, Wk_h^T]
+        u_t = torch.empty(heads, 2 * hd, width, dtype=torch.float64, device=wq_h.device)  # (H, 2hd, C) = U^T
+        u_t[:, :hd].copy_(wq_h)  # float64 conversion straight into place (u_t.mT is U, column-major)
+        u_t[:, hd:].copy_(wk_h)
+        r = torch.geqrf(u_t.mT)[0][..., : 2 * hd, :].triu()  # (H, 2hd, 2hd) R of U = QR; Q is never formed
+        r_q, r_k = r[..., :hd], r[..., hd:]  # (H, 2hd, hd) each; r_q's last hd rows are exactly 0
+        m_core = r_q @ r_k.mT  # (H, 2hd, 2hd): M in that basis
+        m_rows = m_core[..., :hd, :]  # (H, hd, 2hd): the nonzero rows of m_core
+    else:  # 2hd >= C (e.g. the head-summed matrix): U cannot be reduced; M itself is the small matrix
+        m_core = wq_h.to(torch.float64).mT @ wk_h.to(torch.float64)  # (H, C, C)
+        m_rows = m_core
+    k = m_core.shape[-1]
+    n_sv = min(hd, width)
+    sym = 0.5 * (m_core + m_core.mT)  # (H, k, k) S in the basis
+    asym = 0.5 * (m_core - m_core.mT)  # (H, k, k) A in the basis
+    sym_eigvals = torch.linalg.eigvalsh(sym).flip(-1)  # (H, k) descending
+    # A is normal with eigenvalues +-i*lambda, so A^T A = -A^2 has each lambda^2 twice; likewise
+    # M M^T has sigma^2. Squaring puts the noise floor at ~1e-8 of the largest value: below the rounding
+    # of float32 weights (6e-8 relative), which bounds what these spectra can mean anyway.
+    asym_sq = torch.linalg.eigvalsh(asym.mT @ asym).flip(-1)[..., : 2 * (k // 2)]  # (H, 2*(k//2))
+    asym_imag = asym_sq.reshape(*asym_sq.shape[:-1], k // 2, 2).mean(-1).clamp_min(0.0).sqrt()  # (H, k//2)
+    if m_rows.shape[-2] <= m_rows.shape[-1]:
+        gram = m_rows @ m_rows.mT  # (H, n, n) with n <= k
+    else:
+        gram = m_rows.mT @ m_rows
+    singular_values = torch.linalg.eigvalsh(gram).flip(-1)[..., :n_sv].clamp_min(0.0).sqrt()  # (H, n_sv)
+
+    abs_sum = sym_eigvals.abs().sum(-1)  # (H,)
+    positive_mass = sym_eigvals.clamp_min(0.0).sum(-1) / abs_sum  # 0/0 -> NaN for S = 0
+    sym_sq = sym_eigvals.square().sum(-1)  # |S|_F^2
+    asym_sq = 2.0 * asym_imag.square().sum(-1)  # |A|_F^2 (each lambda appears twice)
+    m_sq = singular_values.square().sum(-1)  # |M|_F^2
+    return QKSpectra(
+        sym_eigvals=sym_eigvals,
+        asym_imag=asym_imag,
+        singular_values=singular_values,
+        positive_mass=positive_mass,
+        symmetry_score=(sym_sq - asym_sq) / m_sq,
+        effective_rank=effective_rank(singular_values),
+    )
+
+
+def qk_spectra(wq: Tensor, wk: Tensor, num_heads: int, summed: bool = True) -> QKSpectra:
+    """Spectra of the per-head query-key matrices M_h = Wq_h^T Wk_h and of their sum.
+
+    Per head this is exact and cheap (QR of the C x 2hd factor, then 2hd x 2hd problems, batched over heads,
+    float64). The head-summed matrix sum_h M_h = Wq^T Wk has rank up to C, so there the factor [Wq^T, Wk^T]
+    (C x 2C) cannot be reduced and the same formulas run on the dense C x C matrix (still exact; this is
+    one dense problem per layer, and the most expensive part: pass ``summed=False`` to skip it).
+
+    Args:
+        wq: (H*hd, C) query weight (nn.Linear layout (out, in)); head h = rows h*hd:(h+1)*hd.
+        wk: (H*hd, C) key weight, same layout.
+        num_heads: H.
+        summed: also compute the head-summed spectra (``result.summed``).
+
+    Returns:
+        :class:`QKSpectra` with per-head fields (H, ...) and ``summed`` (H = 1) or None.
+    """
+    wq_h, wk_h = _split_heads(wq, wk, num_heads)  # (H, hd, C) each
+    per_head = _spectra(wq_h, wk_h)
+    if not summed:
+        return per_head
+    total = _spectra(wq.detach().unsqueeze(0), wk.detach().to(wq.device).unsqueeze(0))  # one head of width C
+    return QKSpectra(**{**per_head.__dict__, "summed": total})
+
+
+def qk_matrices(wq: Tensor, wk: Tensor, num_heads: int) -> Tensor:
+    """Dense per-head bilinear forms M_h = Wq_h^T Wk_h, e.g. to plot them (not needed for spectra).
+
+    Args:
+        wq: (H*hd, C) query weight.
+        wk: (H*hd, C) key weight.
+        num_heads: H.
+
+    Returns:
+        (H, C, C) float64; x_i^T M_h x_j is head h's logit before the hd^-1/2 scale and biases.
+    """
+    wq_h, wk_h = _split_heads(wq, wk, num_heads)  # (H, hd, C)
+    return wq_h.to(torch.float64).mT @ wk_h.to(torch.float64)  # (H, C, C)

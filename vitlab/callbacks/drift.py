@@ -1,0 +1,265 @@
+"""QKVDrift: how every block's query/key/value rows move away from the weights training started from."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from vitlab.analysis import head_grid, row_drift
+from vitlab.callbacks._state import (
+    MATRICES,
+    block_stage,
+    check_strategy,
+    head_counts,
+    load_snapshot,
+    qkv_state,
+    snapshot_dir,
+    snapshot_name,
+    unwrap,
+)
+from vitlab.tblog import write_layout_once, heatmap_figure, require_tensorboard, save_safetensors, tensorboard_writer, write_csv
+from vitlab.tbimage import colorize, hstack_panels, vstack_panels
+
+ROW_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
+MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
+LOCAL_METRICS = ("cosine_distance", "euclidean")
+
+
+def drift_tables(
+    ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], blocks: list[str]
+) -> tuple[dict[tuple[str, str], dict[str, torch.Tensor]], dict[tuple[str, str], dict[str, float]]]:
+    """Per-row drift and per-matrix summaries of every (block, Q|K|V) weight between two flat states.
+
+    Returns:
+        rows: (block, matrix) -> ``row_drift`` output (per-row float64 tensors).
+        summary: (block, matrix) -> row-metric means plus ``rel_frobenius`` (||cur - ref||_F / ||ref||_F)
+        and ``norm_ratio`` (||cur||_F / ||ref||_F).
+    """
+    rows: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    summary: dict[tuple[str, str], dict[str, float]] = {}
+    for block in blocks:
+        for m in MATRICES:
+            key = f"{block}.{m}.weight"
+            r = row_drift(ref[key], cur[key])
+            rows[(block, m)] = r
+            ref_fro = r["ref_norm"].square().sum().sqrt()
+            summary[(block, m)] = {
+                **{name: float(r[name].mean()) for name in ROW_METRICS},
+                # ||cur - ref||_F^2 = sum over rows of ||u - v||^2
+                "rel_frobenius": float(r["euclidean"].square().sum().sqrt() / ref_fro.clamp_min(1e-30)),
+                "norm_ratio": float(r["cur_norm"].square().sum().sqrt() / ref_fro.clamp_min(1e-30)),
+            }
+    return rows, summary
+
+
+def extra_drift(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Absolute Frobenius change ||cur - ref||_F of biases and relative-position tables (``key`` -> value).
+
+    Absolute, not relative: biases commonly start at zero, where a relative change has no scale.
+    """
+    return {
+        key: float((value.double() - ref[key].double()).norm())
+        for key, value in cur.items()
+        if not key.endswith(".weight") and key in ref
+    }
+
+
+def _log_scalars(writer, sum_ref, sum_prev, step) -> None:
+    metrics = ROW_METRICS + MATRIX_METRICS
+    for (block, m), values in sum_ref.items():
+        for name in metrics:
+            writer.add_scalar(f"drift/{name}/{block}.{m}", values[name], step)
+    for prefix, summary in (("drift", sum_ref), ("drift_step", sum_prev)):
+        if summary is None:
+            continue
+        by_stage: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+        for (block, m), values in summary.items():
+            for name in metrics:
+                by_stage[(name, block_stage(block), m)].append(values[name])
+                by_stage[(name, "global", m)].append(values[name])
+        for (name, stage, m), vals in by_stage.items():
+            group = "global" if stage == "global" else "stage"
+            tag = f"{prefix}_{group}/{name}/{m}" if stage == "global" else f"{prefix}_{group}/{name}/{stage}.{m}"
+            writer.add_scalar(tag, sum(vals) / len(vals), step)
+
+
+def _log_extras(writer, extras: dict[str, float], step: int) -> None:
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for key, value in extras.items():
+        kind = key.split(".", 2)[2]  # q.bias / k.bias / v.bias / rel_pos_table
+        by_kind[kind.replace(".", "_")].append(value)
+    for kind, vals in by_kind.items():
+        writer.add_scalar(f"drift_global/frobenius_change/{kind}", sum(vals) / len(vals), step)
+
+
+def _log_histograms(writer, rows_ref, step) -> None:
+    for name in ROW_METRICS:
+        for m in MATRICES:
+            values = torch.cat([r[name] for (b, mm), r in rows_ref.items() if mm == m])
+            writer.add_histogram(f"drift_rows/{name}/{m}", values, step)
+
+
+def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True) -> None:
+    blocks = list(heads)
+    for name in ROW_METRICS + ("rel_frobenius",):
+        grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks])  # (blocks, 3)
+        fig = heatmap_figure(
+            grid.T,
+            title=f"{name} vs reference (mean over rows), step {step}",
+            xticklabels=blocks,
+            yticklabels=[m.upper() for m in MATRICES],
+            xlabel="block",
+            figsize=(3.0 + 0.32 * len(blocks), 3.4),
+        )
+        writer.add_figure(f"drift_map/{name}", fig, step)
+    if not local_maps:
+        return
+    for block in blocks:
+        panel_rows = []
+        for name in LOCAL_METRICS:
+            vmax = max(float(rows_ref[(block, m)][name].max()) for m in MATRICES)
+            grids = [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES]  # (H, hd) each
+            cell = max(2, min(24, 160 // grids[0].shape[1]))
+            panels = [colorize(g, vmin=0.0, vmax=vmax, cell=cell) for g in grids]
+            panel_rows.append(hstack_panels(panels, gap=6))
+        writer.add_image(f"drift_local/{block}", vstack_panels(panel_rows, gap=6), step)
+
+
+def drift_layout() -> dict[str, Any]:
+    """Custom-scalars layout: one category per metric, charts per Q/K/V, per stage and global."""
+    layout: dict[str, Any] = {}
+    for name in ROW_METRICS + MATRIX_METRICS:
+        charts = {f"{m.upper()} per block": ["Multiline", [rf"drift/{name}/.*\.{m}$"]] for m in MATRICES}
+        charts["per stage"] = ["Multiline", [rf"drift_stage/{name}/.*"]]
+        charts["global (vs reference | vs previous epoch)"] = ["Multiline", [rf"drift_global/{name}/.*", rf"drift_step_global/{name}/.*"]]
+        layout[f"drift: {name}"] = charts
+    return layout
+
+
+def write_drift_table(path: Path, epoch: int, rows_ref, heads) -> None:
+    """The full per-row table (one line per block, matrix and row) as CSV."""
+    table = []
+    for (block, m), r in rows_ref.items():
+        head_dim = len(r["dot"]) // heads[block]
+        columns = {k: r[k].tolist() for k in ROW_METRICS + ("ref_norm", "cur_norm")}
+        for i in range(len(r["dot"])):
+            table.append({"epoch": epoch, "block": block, "stage": block_stage(block), "matrix": m, "row": i, "head": i // head_dim, **{k: v[i] for k, v in columns.items()}})
+    write_csv(path, table)
+
+
+def report_drift(
+    writer,
+    ref: dict[str, torch.Tensor],
+    cur: dict[str, torch.Tensor],
+    prev: dict[str, torch.Tensor] | None,
+    heads: dict[str, int],
+    step: int,
+    table_path: Path | None = None,
+    epoch: int = 0,
+    local_maps: bool = True,
+) -> dict[tuple[str, str], dict[str, float]]:
+    """Compute and write one drift report (TensorBoard scalars, histograms, images; optional CSV).
+
+    Shared by :class:`QKVDrift` (every epoch) and ``probe.py drift`` (two checkpoints). Returns the
+    per-(block, matrix) summary against ``ref``.
+    """
+    blocks = list(heads)
+    rows_ref, sum_ref = drift_tables(ref, cur, blocks)
+    sum_prev = drift_tables(prev, cur, blocks)[1] if prev is not None else None
+    _log_scalars(writer, sum_ref, sum_prev, step)
+    _log_extras(writer, extra_drift(ref, cur), step)
+    _log_histograms(writer, rows_ref, step)
+    _log_images(writer, rows_ref, sum_ref, heads, step, local_maps)
+    if table_path is not None:
+        write_drift_table(table_path, epoch, rows_ref, heads)
+    return sum_ref
+
+
+class QKVDrift(pl.Callback):
+    """Logs seed 000's Q/K/V drift every epoch: against the reference (fit start) and the previous epoch.
+
+    TensorBoard (no tag explosion): scalars ``drift/<metric>/<block>.<q|k|v>`` (mean over rows, vs the
+    reference), ``drift_stage/...`` and ``drift_global/...`` aggregates, ``drift_step/...`` (vs the previous
+    epoch, per stage and global); histograms ``drift_rows/<metric>/<q|k|v>`` of per-row values; images
+    ``drift_map/<metric>`` (blocks x Q/K/V) and ``drift_local/<block>`` (heads x rows-within-head heatmaps of
+    Q|K|V, rows: cosine distance, Euclidean), and a custom-scalars layout. The full per-row table of each
+    epoch goes to ``<run>/qkv/drift_epoch_{k:03d}.csv``.
+
+    Args:
+        every_n_epochs: Compute after every N-th completed epoch.
+        local_maps: Log the per-block heads x rows heatmaps.
+        write_csv: Write the per-row CSV table.
+    """
+
+    def __init__(self, every_n_epochs: int = 1, local_maps: bool = True, write_csv: bool = True) -> None:
+        if every_n_epochs < 1:
+            raise ValueError(f"QKVDrift.every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.every_n_epochs = every_n_epochs
+        self.local_maps = local_maps
+        self.write_csv = write_csv
+        self.reference_file: str | None = None
+        self.logged_epochs: list[int] = []
+        self._dir: Path | None = None
+        self._ref: dict[str, torch.Tensor] | None = None
+        self._prev: dict[str, torch.Tensor] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_epochs=self.every_n_epochs)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_strategy(trainer, "QKVDrift")
+        require_tensorboard(trainer, "QKVDrift")
+        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        assert self._dir is not None
+        current = qkv_state(unwrap(pl_module))
+        if self.reference_file and Path(self.reference_file).is_file():
+            self._ref, _ = load_snapshot(self.reference_file)  # resumed: the same reference as before
+        else:
+            if self.reference_file:
+                raise FileNotFoundError(f"QKVDrift: reference snapshot {self.reference_file} is missing; cannot resume drift")
+            self._ref = current
+            path = self._dir / snapshot_name(0)
+            if not path.exists():
+                path = self._dir / "drift_reference.safetensors"
+                save_safetensors(current, path, {"epoch": 0, "global_step": int(trainer.global_step)})
+            else:
+                exact, meta = load_snapshot(path)
+                if meta.get("dtype", "fp32") != "fp32":  # a half-precision snapshot is not an exact reference
+                    path = self._dir / "drift_reference.safetensors"
+                    save_safetensors(current, path, {"epoch": 0, "global_step": int(trainer.global_step)})
+            self.reference_file = str(path)
+        self._prev = current  # on resume: the restored weights = the end of the last finished epoch
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        completed = trainer.current_epoch + 1
+        if completed % self.every_n_epochs or not trainer.is_global_zero or completed in self.logged_epochs:
+            return
+        model = unwrap(pl_module)
+        current = qkv_state(model)
+        writer = tensorboard_writer(trainer)
+        table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
+        report_drift(writer, self._ref, current, self._prev, head_counts(model), int(trainer.global_step), table, completed, self.local_maps)
+        write_layout_once(trainer)
+        self._prev = current
+        self.logged_epochs.append(completed)
+
+    def tensorboard_layout(self) -> dict[str, Any]:
+        return drift_layout()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference_file": self.reference_file, "logged_epochs": list(self.logged_epochs)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.reference_file = state_dict.get("reference_file")
+        self.logged_epochs = [int(e) for e in state_dict.get("logged_epochs", [])]

@@ -1,0 +1,93 @@
+"""QKVSnapshot: every block's query/key/value weights on disk, once before training and every N epochs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_info
+
+from vitlab.callbacks._state import check_strategy, head_counts, qkv_state, snapshot_dir, snapshot_name, unwrap
+from vitlab.tblog import save_safetensors, tensorboard_writer
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class QKVSnapshot(pl.Callback):
+    """Writes ``<run>/qkv/epoch_{k:03d}.safetensors`` with all Q/K/V weights, biases and Swin tables.
+
+    ``k`` counts completed training epochs: ``epoch_000`` is the reference (the weights training
+    starts from, before any step), written at fit start. A resumed run continues the sequence: files
+    that exist are never rewritten. Rank 0 writes, atomically (temp file + rename).
+
+    Args:
+        every_n_epochs: Write a snapshot after every N-th completed epoch (the last epoch is always written).
+        dtype: ``fp32`` (exact), or ``fp16`` / ``bf16`` to halve the disk.
+    """
+
+    def __init__(self, every_n_epochs: int = 1, dtype: str = "fp32") -> None:
+        if every_n_epochs < 1:
+            raise ValueError(f"QKVSnapshot.every_n_epochs must be >= 1, got {every_n_epochs}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"QKVSnapshot.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.every_n_epochs = every_n_epochs
+        self.dtype = dtype
+        self.written: list[int] = []
+        self._dir: Path | None = None
+        self._size_logged = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_epochs=self.every_n_epochs, dtype=self.dtype)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_strategy(trainer, "QKVSnapshot")
+        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer, pl_module, epoch=0)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        completed = trainer.current_epoch + 1
+        is_last = trainer.max_epochs is not None and completed >= trainer.max_epochs
+        if completed % self.every_n_epochs == 0 or is_last:
+            self._write(trainer, pl_module, epoch=completed)
+
+    def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
+        assert self._dir is not None, "QKVSnapshot.setup was not called"
+        path = self._dir / snapshot_name(epoch)
+        if epoch in self.written or path.exists():
+            if epoch not in self.written:
+                self.written.append(epoch)
+            return
+        self.written.append(epoch)
+        if not trainer.is_global_zero:
+            return
+        model = unwrap(pl_module)
+        dtype = _DTYPES[self.dtype]
+        tensors = {k: v.to(dtype) for k, v in qkv_state(model).items()}
+        metadata = {
+            "model": str(pl_module.hparams.get("model_name", type(model).__name__)) if hasattr(pl_module, "hparams") else type(model).__name__,
+            "heads": head_counts(model),
+            "epoch": epoch,
+            "global_step": int(trainer.global_step),
+            "dtype": self.dtype,
+        }
+        save_safetensors(tensors, path, metadata)
+        if not self._size_logged:
+            self._size_logged = True
+            size_mb = path.stat().st_size / 2**20
+            rank_zero_info(f"QKVSnapshot: {len(tensors)} tensors, {size_mb:.2f} MiB per snapshot in {self._dir}")
+            writer = tensorboard_writer(trainer)
+            if writer is not None:
+                writer.add_text("qkv/snapshot", f"{len(tensors)} tensors, {size_mb:.2f} MiB per snapshot ({self.dtype}) in `{self._dir}`", 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"written": list(self.written), "every_n_epochs": self.every_n_epochs, "dtype": self.dtype}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.written = [int(e) for e in state_dict.get("written", [])]

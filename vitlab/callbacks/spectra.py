@@ -1,0 +1,145 @@
+"""QKSpectra: the spectrum of every block's QK bilinear form W_Q W_K^T, each epoch (seed 002, Fig. 5)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from vitlab.analysis import qk_spectra
+from vitlab.callbacks._state import block_stage, check_strategy, head_counts, qkv_state, snapshot_dir, unwrap
+from vitlab.tblog import write_layout_once, require_tensorboard, tensorboard_writer, write_csv
+from vitlab.tbimage import colorize
+
+SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
+
+
+def block_spectra(state: dict[str, torch.Tensor], heads: dict[str, int]) -> dict[str, Any]:
+    """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.callbacks._state.qkv_state`)."""
+    return {b: qk_spectra(state[f"{b}.q.weight"], state[f"{b}.k.weight"], h) for b, h in heads.items()}
+
+
+def spectra_rows(spectra: dict[str, Any], epoch: int | None = None) -> list[dict[str, Any]]:
+    """One table row per (block, head) plus one per block for the head-summed matrix (``head = sum``)."""
+    rows = []
+    for block, s in spectra.items():
+        lead = {"epoch": epoch} if epoch is not None else {}
+        for h in range(len(s.positive_mass)):
+            rows.append({**lead, "block": block, "head": h, **{k: float(getattr(s, k)[h]) for k in SCALARS}, "top_singular_value": float(s.singular_values[h, 0])})
+        rows.append({**lead, "block": block, "head": "sum", **{k: float(getattr(s.summed, k)[0]) for k in SCALARS}, "top_singular_value": float(s.summed.singular_values[0, 0])})
+    return rows
+
+
+def stage_figure(stage: str, spectra: dict[str, Any]):
+    """Seed 002's Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values."""
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), dpi=90)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(spectra), 1)))
+    for color, (block, s) in zip(colors, spectra.items()):
+        label = block.split(".", 1)[1]
+        sym = s.summed.sym_eigvals[0].double().cpu().numpy()
+        axes[0].plot(np.arange(1, len(sym) + 1), sym, color=color, label=label, lw=1.2)
+        asym = s.summed.asym_imag[0].double().cpu().numpy()
+        axes[1].plot(np.arange(1, len(asym) + 1), asym, color=color, lw=1.2)
+        sv = s.summed.singular_values[0].double().cpu().numpy()
+        axes[2].semilogy(np.arange(1, len(sv) + 1), sv / max(sv[0], 1e-30), color=color, lw=1.2)
+    axes[0].axhline(0.0, color="k", lw=0.6)
+    axes[0].set_title("eigenvalues of sym. part (W_Q W_K^T)", fontsize=9)
+    axes[1].set_title("antisym. part: lambda of +-i lambda pairs", fontsize=9)
+    axes[2].set_title("singular values / largest", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("index")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{stage}: QK bilinear form, heads summed", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None) -> None:
+    """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV)."""
+    for block, s in spectra.items():
+        for name in SCALARS:
+            writer.add_scalar(f"spectra/{name}/{block}", float(getattr(s, name).float().mean()), step)
+            writer.add_scalar(f"spectra_summed/{name}/{block}", float(getattr(s.summed, name)[0]), step)
+    by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
+    for block, s in spectra.items():
+        by_stage[block_stage(block)][block] = s
+    for stage, group in by_stage.items():
+        writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
+    max_heads = max(len(s.positive_mass) for s in spectra.values())
+    grid = torch.full((len(spectra), max_heads), float("nan"))
+    for i, s in enumerate(spectra.values()):
+        grid[i, : len(s.positive_mass)] = s.positive_mass.float()
+    writer.add_image("spectra_heads/positive_mass (blocks x heads)", colorize(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, cell=12), step)
+    if table_path is not None:
+        write_csv(table_path, spectra_rows(spectra, epoch))
+
+
+def spectra_layout() -> dict[str, Any]:
+    """Custom-scalars layout: one chart per spectral statistic, per head mean and head-summed."""
+    return {"spectra": {name: ["Multiline", [rf"spectra/{name}/.*", rf"spectra_summed/{name}/.*"]] for name in SCALARS}}
+
+
+class QKSpectra(pl.Callback):
+    """Logs the QK bilinear form's spectra of every attention block at fit start and every N epochs.
+
+    Per block: positive mass of the symmetric part's spectrum, symmetry score and effective rank (head
+    mean as ``spectra/...``, head-summed matrix as ``spectra_summed/...``); per stage a figure of the
+    eigenvalues of the symmetric and antisymmetric parts and the singular values; a blocks x heads
+    positive-mass heatmap; and ``<run>/qkv/spectra_epoch_{k:03d}.csv`` per block and head.
+
+    Args:
+        every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
+        write_csv: Write the per-head CSV table.
+    """
+
+    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True) -> None:
+        if every_n_epochs < 1:
+            raise ValueError(f"QKSpectra.every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.every_n_epochs = every_n_epochs
+        self.write_csv = write_csv
+        self.logged_epochs: list[int] = []
+        self._dir: Path | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_epochs=self.every_n_epochs)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        check_strategy(trainer, "QKSpectra")
+        require_tensorboard(trainer, "QKSpectra")
+        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, pl_module, epoch=0)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        completed = trainer.current_epoch + 1
+        if completed % self.every_n_epochs == 0:
+            self._log(trainer, pl_module, epoch=completed)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
+        if not trainer.is_global_zero or epoch in self.logged_epochs:
+            return
+        model = unwrap(pl_module)
+        spectra = block_spectra(qkv_state(model), head_counts(model))
+        writer = tensorboard_writer(trainer)
+        table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
+        report_spectra(writer, spectra, int(trainer.global_step), table, epoch)
+        write_layout_once(trainer)
+        self.logged_epochs.append(epoch)
+
+    def tensorboard_layout(self) -> dict[str, Any]:
+        return spectra_layout()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"logged_epochs": list(self.logged_epochs)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.logged_epochs = [int(e) for e in state_dict.get("logged_epochs", [])]

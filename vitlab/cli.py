@@ -1,0 +1,154 @@
+"""Command lines: ``train.py`` (LightningCLI fine-tuning) and ``probe.py`` (analyses of a checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+
+from vitlab.data import MedicalDataModule
+from vitlab.training import ClassificationModule
+
+TENSORBOARD_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
+
+
+class VitlabCLI(LightningCLI):
+    """LightningCLI with vitlab's conventions.
+
+    - ``python train.py --config x.yaml`` fits without a subcommand (``run=False``); ``--ckpt_path`` resumes.
+    - ``data.num_classes`` / ``data.in_chans`` / ``data.class_names`` are linked into the model.
+    - Every run lives in ``<save_dir>/<name>/<version>/`` (TensorBoard events, ``config.yaml``,
+      ``checkpoints/`` with best + last); resuming from ``.../checkpoints/last.ckpt`` appends to the same
+      run folder.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--ckpt_path",
+            type=Optional[str],
+            default=None,
+            help="Resume training from this checkpoint, e.g. runs/quickstart/version_0/checkpoints/last.ckpt",
+        )
+        # Two checkpointers: the best by a validation metric, and "last.ckpt" rewritten every epoch
+        # (Lightning 2.6 only refreshes save_last when a top-k file is saved, so it cannot be relied on).
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(ModelCheckpoint, "last_checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val/balanced_acc",
+                "checkpoint.mode": "max",
+                "checkpoint.save_top_k": 1,
+                "checkpoint.filename": "best-epoch{epoch:03d}",
+                "checkpoint.auto_insert_metric_name": False,
+                # save after every callback's on_train_epoch_end, so checkpoints hold their finished epoch
+                "checkpoint.save_on_train_epoch_end": True,
+                "last_checkpoint.monitor": None,
+                "last_checkpoint.save_top_k": 1,
+                "last_checkpoint.filename": "last",
+                "last_checkpoint.enable_version_counter": False,
+                "last_checkpoint.save_on_train_epoch_end": True,
+            }
+        )
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.in_chans", "model.in_chans", apply_on="instantiate")
+        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        ckpt_path = self.config.get("ckpt_path")
+        if not ckpt_path:
+            return
+        ckpt = Path(ckpt_path)
+        if not ckpt.is_file():
+            raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
+        logger = self.config.trainer.get("logger")
+        if ckpt.parent.name == "checkpoints" and logger is not None and not isinstance(logger, bool):
+            # runs/<name>/<version>/checkpoints/last.ckpt -> log into runs/<name>/<version> again
+            version_dir = ckpt.resolve().parent.parent
+            init = logger.init_args if hasattr(logger, "init_args") else logger
+            init.save_dir = str(version_dir.parent.parent)
+            init.name = version_dir.parent.name
+            init.version = version_dir.name
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    return {
+        "logger": {
+            "class_path": TENSORBOARD_LOGGER,
+            "init_args": {"save_dir": "runs", "name": "vitlab", "default_hp_metric": False},
+        },
+        "log_every_n_steps": 10,
+    }
+
+
+def _report(trainer) -> None:
+    log_dir = Path(trainer.log_dir or ".")
+    root = log_dir.parent.parent if log_dir.parent.parent != Path("") else log_dir
+    print("\nvitlab: run finished.")
+    print(f"  run folder   : {log_dir}")
+    for ckpt_cb in trainer.checkpoint_callbacks:
+        path = ckpt_cb.best_model_path
+        if not path:
+            continue
+        if ckpt_cb.monitor is None:
+            print(f"  last weights : {path}  (resume: --ckpt_path {path})")
+        else:
+            score = ckpt_cb.best_model_score
+            note = f"  ({ckpt_cb.monitor} = {float(score):.4f})" if score is not None else ""
+            print(f"  best weights : {path}{note}")
+    print(f"  view it with : tensorboard --logdir {root} --host 127.0.0.1")
+
+
+def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
+    """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data)."""
+    cli = VitlabCLI(
+        ClassificationModule,
+        MedicalDataModule,
+        run=False,
+        trainer_defaults=_trainer_defaults(),
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
+        args=args,
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    if getattr(cli.datamodule, "has_test", False) and not cli.trainer.interrupted:
+        best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path
+        cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best" if best else None)
+    if cli.trainer.is_global_zero:
+        _report(cli.trainer)
+    return cli
+
+
+def train_main(args: list[str] | None = None) -> None:
+    """Entry point of ``train.py``: :func:`fit` with one-line errors for bad input."""
+    try:
+        fit(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        _exit_with_message(err)
+
+
+def _exit_with_message(err: BaseException) -> None:
+    """User errors end in one line (``VITLAB_DEBUG=1`` shows the traceback)."""
+    if os.environ.get("VITLAB_DEBUG") or not _is_user_error(err):
+        raise err
+    print(f"vitlab: error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _is_user_error(err: BaseException) -> bool:
+    module = type(err).__module__ or ""
+    return module.startswith("vitlab") or type(err) in (ValueError, FileNotFoundError)
+
+
+def probe_main(args: list[str] | None = None) -> None:
+    """Entry point of ``probe.py``."""
+    from vitlab.probes import main
+
+    try:
+        main(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        _exit_with_message(err)

@@ -1,0 +1,223 @@
+"""LightningDataModule: files -> splits -> augmented, normalised batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+import albumentations as A
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from vitlab.data.cache import ArrayCache, cache_root
+from vitlab.data.dataset import MedicalImageDataset
+from vitlab.data.io import ReadOptions
+from vitlab.data.layouts import SPLITS, Sample, check_files, patient_overlap, scan, split_by_patient
+from vitlab.data.synthetic import embedded_dataset
+from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
+
+
+class MedicalDataModule(pl.LightningDataModule):
+    """Medical images from class folders, a CSV manifest or the embedded synthetic CT set.
+
+    ``__init__`` only scans the layout (file names, labels), so ``num_classes``, ``class_names``
+    and ``in_chans`` exist right after construction for LightningCLI's argument links. Headers are
+    checked and splits assigned on first need (``setup`` or :meth:`samples`); pixels are decoded
+    only by the dataloaders.
+
+    Args:
+        root: Class-folder root or a ``.csv`` manifest; None -> the embedded synthetic dataset.
+        image_size: Side of the square model input in pixels.
+        in_chans: 1 (grayscale) or 3 (colour; grayscale images are replicated).
+        batch_size: Images per batch.
+        num_workers: DataLoader worker processes (0 = load in the main process).
+        window: Window preset name (see ``vitlab.data.io.WINDOW_PRESETS``); None -> file tags / min-max.
+        window_center: Explicit window center (HU for CT); needs ``window_width``.
+        window_width: Explicit window width.
+        window_index: Which of the file's windows to use when it lists several.
+        frames: ``"middle"`` or a frame index for multi-frame files.
+        val_fraction: Share of patients for validation when the manifest has no split column.
+        test_fraction: Share of patients for test when the manifest has no split column.
+        seed: Seed of the patient split, the shuffling and the augmentations.
+        on_bad_file: ``"skip"`` (warn, drop, count in ``skipped_files``) or ``"error"``.
+        augment: Built-in recipe: ``"none"``, ``"light"``, ``"default"`` or ``"strong"``.
+        train_transforms: Full override of the training augmentations (vitlab appends resize + Normalize).
+        mean: Normalize mean per channel; None -> ImageNet (averaged for one channel).
+        std: Normalize std per channel; None -> ImageNet.
+        cache: Keep decoded arrays on disk so epochs >= 2 skip decoding.
+        cache_dir: Folder of that cache; None -> ``$VITLAB_CACHE/arrays`` or ``~/.cache/vitlab/arrays``.
+        embedded_kwargs: Arguments of ``vitlab.data.synthetic.generate`` when ``root`` is None.
+        classes: Fix the class names and their order; any other label is an error.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        image_size: int = 224,
+        in_chans: int = 1,
+        batch_size: int = 32,
+        num_workers: int = 2,
+        window: str | None = None,
+        window_center: float | None = None,
+        window_width: float | None = None,
+        window_index: int = 0,
+        frames: str | int = "middle",
+        val_fraction: float = 0.2,
+        test_fraction: float = 0.0,
+        seed: int = 0,
+        on_bad_file: Literal["skip", "error"] = "skip",
+        augment: str = "default",
+        train_transforms: A.Compose | None = None,
+        mean: list[float] | None = None,
+        std: list[float] | None = None,
+        cache: bool = False,
+        cache_dir: str | None = None,
+        embedded_kwargs: dict | None = None,
+        classes: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["train_transforms"])
+        _check_positive(image_size=image_size, batch_size=batch_size)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if on_bad_file not in ("skip", "error"):
+            raise ValueError(f"on_bad_file must be 'skip' or 'error', got {on_bad_file!r}")
+        if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError(
+                f"val_fraction ({val_fraction}) and test_fraction ({test_fraction}) must be in [0, 1) "
+                "and sum to less than 1"
+            )
+        if frames == "all":
+            raise ValueError("frames='all' gives a volume per file; the DataModule needs 'middle' or a frame index")
+        self.read_options = ReadOptions(window, window_center, window_width, window_index, frames)
+        self.mean, self.std = normalization_stats(in_chans, mean, std)
+        self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
+        self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.augment, self.user_transforms = augment, train_transforms
+        self.train_transform = train_transform(  # validates the recipe / the user's Compose now
+            image_size, self.mean, self.std, augment=augment, user_transforms=train_transforms, seed=seed
+        )
+        self.eval_transform = eval_transform(image_size, self.mean, self.std)
+
+        self.root = Path(root).expanduser() if root is not None else embedded_dataset(**(embedded_kwargs or {}))
+        layout = scan(self.root, classes=classes, on_bad_file=on_bad_file)
+        self._layout = layout
+        self.class_names: list[str] = layout.class_names
+        self.num_classes: int = len(layout.class_names)
+        self.skipped_files: int = len(layout.skipped or [])
+        self._samples: list[Sample] | None = None
+        self._skips_logged = False
+
+        self.array_cache: ArrayCache | None = None
+        if cache:
+            folder = Path(cache_dir).expanduser().resolve() if cache_dir else cache_root() / "arrays"
+            data_folder = (self.root if self.root.is_dir() else self.root.parent).resolve()
+            if folder.resolve().is_relative_to(data_folder):
+                raise ValueError(f"cache_dir {folder} is inside the data folder {data_folder}; vitlab never writes there")
+            options_key = repr(dataclasses.astuple(self.read_options))
+            self.array_cache = ArrayCache(folder, options_key)
+
+    # ------------------------------------------------------------------ splits
+    def _prepare(self) -> list[Sample]:
+        """Header-check the files and assign splits (once)."""
+        if self._samples is not None:
+            return self._samples
+        kept, skipped = check_files(self._layout.samples, self.on_bad_file)
+        self.skipped_files = len(self._layout.skipped or []) + len(skipped)
+        present = sorted({s.label for s in kept})
+        if len(present) < 2:
+            raise ValueError(
+                f"{self.root}: only {len(present)} class(es) {present} have readable images after "
+                f"skipping {self.skipped_files} bad file(s); need at least two"
+            )
+        if self._layout.has_split_column:
+            samples = kept
+            shared = patient_overlap(samples)
+            if shared:
+                example = next(iter(shared.items()))
+                warnings.warn(
+                    f"{self.root}: {len(shared)} patient(s) appear in several splits "
+                    f"(e.g. {example[0]!r} in {sorted(example[1])}); validation may be optimistic",
+                    stacklevel=2,
+                )
+        else:
+            samples = split_by_patient(
+                kept, val_fraction=self.val_fraction, test_fraction=self.test_fraction, seed=self.seed
+            )
+        missing = [c for c in self.class_names if not any(s.label == c and s.split == "train" for s in samples)]
+        if missing:
+            warnings.warn(f"{self.root}: class(es) {missing} have no training images", stacklevel=2)
+        self._samples = samples
+        return samples
+
+    def samples(self, split: str) -> list[Sample]:
+        """Samples of one split (``"train"``, ``"val"`` or ``"test"``) with their patient ids."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        return [s for s in self._prepare() if s.split == split]
+
+    @property
+    def has_test(self) -> bool:
+        """True when a test split exists."""
+        return bool(self.samples("test"))
+
+    def split_counts(self) -> dict[str, dict[str, int]]:
+        """Images per class in each split, e.g. ``{"train": {"lesion": 115, ...}, ...}``."""
+        return {split: dict(Counter(s.label for s in self.samples(split))) for split in SPLITS}
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check headers, assign splits and log ``data/skipped_files`` to the trainer's loggers."""
+        self._prepare()
+        trainer = self.trainer
+        if trainer is not None and not self._skips_logged:
+            for logger in trainer.loggers:
+                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
+            self._skips_logged = True
+
+    # ------------------------------------------------------------------ datasets and loaders
+    def dataset(self, split: str, *, augmented: bool = False) -> MedicalImageDataset:
+        """Dataset of one split; ``augmented`` applies the training augmentations, else resize only."""
+        return MedicalImageDataset(
+            self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
+            in_chans=self.in_chans, read_options=self.read_options,
+            on_bad_file=self.on_bad_file, cache=self.array_cache,
+        )  # fmt: skip
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        return DataLoader(
+            self.dataset(split, augmented=train),
+            batch_size=self.batch_size,
+            shuffle=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            worker_init_fn=seed_worker,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, augmented training batches ``(images (B, C, S, S), labels (B,))``."""
+        if not self.samples("train"):
+            raise ValueError(f"{self.root}: the training split is empty")
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches; an empty list (no validation) when the split is empty."""
+        return self._loader("val", train=False) if self.samples("val") else []
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches; only when a test split exists (see :attr:`has_test`)."""
+        if not self.has_test:
+            raise ValueError(f"{self.root}: no test split; set test_fraction > 0 or add split=test rows to the manifest")
+        return self._loader("test", train=False)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,103 @@
+"""A torch Dataset over :class:`~vitlab.data.layouts.Sample` lists."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import albumentations as A
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from vitlab.data.cache import ArrayCache
+from vitlab.data.io import ImageReadError, ReadOptions, read_with_options
+from vitlab.data.layouts import Sample, SkippedFileWarning
+
+# ITU-R BT.601 luma weights, to feed colour images to a grayscale model.
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+def to_channels(image: np.ndarray, in_chans: int) -> np.ndarray:
+    """(H, W) or (H, W, 3) float32 -> (H, W, in_chans): gray is replicated, colour -> luma."""
+    if image.ndim == 2:
+        image = image[:, :, None]  # (H, W, 1)
+    if image.shape[2] == in_chans:
+        return image
+    if in_chans == 3:
+        return np.repeat(image, 3, axis=2)  # (H, W, 3)
+    return (image @ _LUMA)[:, :, None]  # (H, W, 1)
+
+
+class MedicalImageDataset(Dataset):
+    """Decoded, windowed, augmented images with integer labels.
+
+    Under ``on_bad_file="skip"`` a file that fails to decode is reported once per process
+    (a :class:`SkippedFileWarning`) and the next index's image is returned instead, so a bad file
+    found only at decode time does not stop training.
+
+    Args:
+        samples: The images.
+        class_names: Class order: ``label index = class_names.index(sample.label)``.
+        transform: Albumentations pipeline ending in Normalize (float32 (H, W, C) in, (S, S, C) out).
+        in_chans: 1 or 3 channels in the output.
+        read_options: How files are decoded and windowed.
+        on_bad_file: ``"skip"`` or ``"error"``.
+        cache: Decoded-array cache, or None to decode every time.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        class_names: Sequence[str],
+        transform: A.Compose,
+        *,
+        in_chans: int = 1,
+        read_options: ReadOptions | None = None,
+        on_bad_file: str = "skip",
+        cache: ArrayCache | None = None,
+    ) -> None:
+        if read_options is not None and read_options.frames == "all":
+            raise ValueError("frames='all' gives a volume per file; a 2-D dataset needs 'middle' or a frame index")
+        self.samples = list(samples)
+        self.class_index = {name: i for i, name in enumerate(class_names)}
+        self.labels = [self.class_index[s.label] for s in self.samples]
+        self.transform = transform
+        self.in_chans = in_chans
+        self.read_options = read_options or ReadOptions()
+        self.on_bad_file = on_bad_file
+        self.cache = cache
+        self.bad_paths: set[str] = set()  # files that failed to decode in this process
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load_array(self, index: int) -> np.ndarray:
+        """Decoded, windowed float32 image in [0, 1], (H, W) or (H, W, 3), from the cache if enabled."""
+        path = self.samples[index].path
+        if self.cache is None:
+            return read_with_options(path, self.read_options)
+        return self.cache.load(path, lambda: read_with_options(path, self.read_options))
+
+    def _first_readable(self, index: int) -> tuple[np.ndarray, int]:
+        for offset in range(len(self)):
+            candidate = (index + offset) % len(self)
+            try:
+                return self.load_array(candidate), candidate
+            except (ImageReadError, OSError) as error:
+                if self.on_bad_file == "error":
+                    raise
+                path = str(self.samples[candidate].path)
+                if path not in self.bad_paths:
+                    self.bad_paths.add(path)
+                    warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=2)
+        raise RuntimeError(f"none of the {len(self)} images could be read (see the warnings above)")
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image, used = self._first_readable(index)
+        image = to_channels(image, self.in_chans)  # (H, W, C)
+        out = self.transform(image=image)["image"]  # (S, S, C) normalised
+        if out.ndim == 2:
+            out = out[:, :, None]
+        tensor = torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32))  # (C, S, S)
+        return tensor, self.labels[used]

@@ -1,0 +1,255 @@
+"""Where the images are and which split each belongs to.
+
+Two layouts:
+
+* class folders ``root/<class>/**/<file>`` (files vitlab does not read, e.g. ``.txt``, are ignored);
+* a CSV manifest with a header ``path,label[,split][,patient_id]``; paths are relative to the
+  manifest's folder (absolute paths work too); other columns are ignored.
+
+Splits come from the manifest's ``split`` column when it has one, otherwise from a deterministic
+split stratified by label and grouped by patient (no patient in two splits).
+
+Bad files are found in two passes without decoding pixels twice: :func:`check_files` reads only
+headers before training (missing files, non-DICOM files, missing decoders, truncated uncompressed
+pixel data; it also collects DICOM PatientIDs for the split), and whatever slips through fails at
+decode time in the dataset, which warns and substitutes the next image.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from vitlab.data.io import SUPPORTED_TYPES, ImageReadError, header_info, image_kind
+
+SPLITS = ("train", "val", "test")
+MANIFEST_COLUMNS = ("path", "label", "split", "patient_id")
+
+
+class SkippedFileWarning(UserWarning):
+    """A bad file was dropped because ``on_bad_file="skip"``."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One image file.
+
+    Args:
+        path: Absolute path of the file.
+        label: Class name.
+        patient_id: Patient the image belongs to (manifest column, DICOM PatientID, else the path);
+            None until :func:`check_files` has run.
+        split: ``"train"``, ``"val"``, ``"test"`` or None when not assigned yet.
+    """
+
+    path: Path
+    label: str
+    patient_id: str | None = None
+    split: str | None = None
+
+
+@dataclass
+class Layout:
+    """What a scan of ``root`` found.
+
+    Args:
+        samples: Files found, in a deterministic order.
+        class_names: Sorted class names (or the order given by ``classes``).
+        has_split_column: True when the manifest assigns the splits.
+        skipped: One message per dropped file.
+    """
+
+    samples: list[Sample]
+    class_names: list[str]
+    has_split_column: bool = False
+    skipped: list[str] | None = None
+
+
+def skip_or_raise(error: Exception, on_bad_file: str, skipped: list[str]) -> None:
+    """Raise ``error`` under ``on_bad_file="error"``; otherwise warn once and record it."""
+    if on_bad_file == "error":
+        raise error
+    skipped.append(str(error))
+    warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=3)
+
+
+def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_bad_file: str = "skip") -> Layout:
+    """Find the samples under a class-folder root or in a CSV manifest (no pixel decoding).
+
+    Args:
+        root: A folder of class folders, or a ``.csv`` manifest.
+        classes: Fix the class names and their order; any other label / folder is an error.
+        on_bad_file: ``"skip"`` drops (with a warning) manifest rows whose file is missing or of
+            an unsupported type; ``"error"`` raises.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        ValueError: Layout problems (empty class folder, fewer than two classes, bad manifest row).
+    """
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"data root {root} does not exist (a class-folder directory or a .csv manifest)")
+    if root.is_file():
+        if root.suffix.lower() != ".csv":
+            raise ValueError(f"data root {root} is a file but not a .csv manifest")
+        layout = _read_manifest(root, on_bad_file)
+    else:
+        layout = _scan_class_folders(root)
+    found = sorted({s.label for s in layout.samples})
+    if classes is not None:
+        unknown = [c for c in found if c not in classes]
+        if unknown:
+            raise ValueError(f"{root}: label(s) {unknown} are not among the classes {list(classes)}")
+        layout.class_names = list(classes)
+    else:
+        layout.class_names = found
+    if len(layout.class_names) < 2:
+        hint = " (a manifest.csv is there: pass its path as root)" if (root / "manifest.csv").exists() else ""
+        raise ValueError(f"{root}: found {len(layout.class_names)} class(es) {layout.class_names}; need at least two{hint}")
+    return layout
+
+
+def _scan_class_folders(root: Path) -> Layout:
+    samples: list[Sample] = []
+    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    for class_dir in class_dirs:
+        files = []
+        for folder, subdirs, names in os.walk(class_dir):
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+            files += [Path(folder, n) for n in sorted(names) if not n.startswith(".")]
+        images = [f for f in files if image_kind(f) is not None]
+        if not images:
+            raise ValueError(f"class folder {class_dir} contains no image files (supported: {SUPPORTED_TYPES})")
+        samples += [Sample(path=f.resolve(), label=class_dir.name) for f in images]
+    return Layout(samples=samples, class_names=[d.name for d in class_dirs], skipped=[])
+
+
+def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
+    try:
+        with open(manifest, newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"cannot read manifest {manifest}: {exc}") from None
+    if not rows or not any(cell.strip() for cell in rows[0]):
+        raise ValueError(f"manifest {manifest} is empty or starts with a blank line; expected a header 'path,label[,split][,patient_id]'")
+    header = [h.strip().lower() for h in rows[0]]
+    missing = [c for c in ("path", "label") if c not in header]
+    if missing:
+        raise ValueError(
+            f"manifest {manifest} header {rows[0]} lacks column(s) {missing}; "
+            "expected a header line 'path,label[,split][,patient_id]'"
+        )
+    column = {name: header.index(name) for name in MANIFEST_COLUMNS if name in header}
+    samples, skipped = [], []
+    for line, row in enumerate(rows[1:], start=2):
+        if not any(cell.strip() for cell in row):
+            continue  # blank line
+        if len(row) != len(header):
+            raise ValueError(f"manifest {manifest} line {line}: expected {len(header)} fields, got {len(row)}")
+        cell = {name: row[i].strip() for name, i in column.items()}
+        for name in ("path", "label"):
+            if not cell[name]:
+                raise ValueError(f"manifest {manifest} line {line}: empty '{name}'")
+        split = cell.get("split")
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"manifest {manifest} line {line}: split {split!r} is not one of {list(SPLITS)}")
+        path = (manifest.parent / cell["path"]).resolve()
+        if not path.is_file() or image_kind(path) is None:
+            reason = "does not exist" if not path.is_file() else f"is not a supported image ({SUPPORTED_TYPES})"
+            error_type = FileNotFoundError if not path.is_file() else ImageReadError
+            skip_or_raise(error_type(f"manifest {manifest} line {line}: {path} {reason}"), on_bad_file, skipped)
+            continue
+        samples.append(Sample(path, cell["label"], cell.get("patient_id") or None, split))
+    if not samples:
+        raise ValueError(f"manifest {manifest} lists no usable image files")
+    return Layout(samples=samples, class_names=[], has_split_column="split" in column, skipped=skipped)
+
+
+def check_files(samples: Sequence[Sample], on_bad_file: str = "skip") -> tuple[list[Sample], list[str]]:
+    """Header-check every file and fill in patient ids (no pixel decoding).
+
+    Args:
+        samples: Samples from :func:`scan`.
+        on_bad_file: ``"skip"`` (warn and drop) or ``"error"`` (raise the first problem).
+
+    Returns:
+        The usable samples, each with a ``patient_id`` (manifest value, else DICOM PatientID, else
+        the file's own path), and one message per dropped file.
+    """
+    kept, skipped = [], []
+    for sample in samples:
+        try:
+            info = header_info(sample.path)
+        except ImageReadError as error:
+            skip_or_raise(error, on_bad_file, skipped)
+            continue
+        patient = sample.patient_id or info["patient_id"] or str(sample.path)
+        kept.append(replace(sample, patient_id=patient))
+    return kept, skipped
+
+
+def split_by_patient(
+    samples: Sequence[Sample],
+    *,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+) -> list[Sample]:
+    """Assign splits: deterministic, stratified by label, grouped by patient.
+
+    Patients are stratified by their most frequent label (ties: the smallest label). Within each
+    stratum, patients sorted by id are shuffled with ``seed`` and the first
+    ``round(n * test_fraction)`` go to test, the next ``round(n * val_fraction)`` to val, the rest to
+    train; a split with a positive fraction gets at least one patient of the stratum while train keeps one.
+
+    Args:
+        samples: Samples with ``patient_id`` set.
+        val_fraction: Share of patients for validation, in [0, 1).
+        test_fraction: Share of patients for test, in [0, 1).
+        seed: Seed of the shuffle; the result does not depend on the order of ``samples``.
+
+    Returns:
+        The samples with ``split`` set, in the input order.
+    """
+    labels_of: dict[str, Counter] = defaultdict(Counter)
+    for sample in samples:
+        labels_of[sample.patient_id][sample.label] += 1
+    strata: dict[str, list[str]] = defaultdict(list)
+    for patient in sorted(labels_of):
+        counts = labels_of[patient]
+        strata[min(counts, key=lambda label: (-counts[label], label))].append(patient)
+    rng = np.random.default_rng(seed)
+    split_of: dict[str, str] = {}
+    for label in sorted(strata):
+        patients = [strata[label][i] for i in rng.permutation(len(strata[label]))]
+        n_test, n_val = _split_sizes(len(patients), val_fraction, test_fraction)
+        for i, patient in enumerate(patients):
+            split_of[patient] = "test" if i < n_test else "val" if i < n_test + n_val else "train"
+    return [replace(s, split=split_of[s.patient_id]) for s in samples]
+
+
+def _split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int]:
+    """(n_test, n_val) for a stratum of ``n`` patients; train keeps at least one when n >= 1."""
+    n_val = max(round(n * val_fraction), int(val_fraction > 0 and n >= 2))
+    n_test = max(round(n * test_fraction), int(test_fraction > 0 and n - n_val >= 2))
+    while n_val + n_test > n - 1 and n_val + n_test > 0:  # keep one training patient
+        if n_test >= n_val and n_test > 0:
+            n_test -= 1
+        else:
+            n_val -= 1
+    return n_test, n_val
+
+
+def patient_overlap(samples: Sequence[Sample]) -> dict[str, set[str]]:
+    """Patients that appear in more than one split: ``{patient_id: {splits}}``."""
+    splits_of: dict[str, set[str]] = defaultdict(set)
+    for sample in samples:
+        splits_of[sample.patient_id].add(sample.split)
+    return {p: s for p, s in splits_of.items() if len(s) > 1}

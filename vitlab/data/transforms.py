@@ -1,0 +1,150 @@
+"""Albumentations pipelines for float32 images in [0, 1].
+
+Every pipeline ends with a resize to ``image_size`` x ``image_size`` and
+``Normalize(max_pixel_value=1.0)`` with one mean/std entry per channel, also after a
+user-supplied ``Compose``. Albumentations' ``Compose`` keeps its own random generator, which
+forked DataLoader workers copy verbatim: :func:`seed_worker` reseeds it in each worker.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import albumentations as A
+import numpy as np
+import torch
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def _resize(size: int) -> A.BasicTransform:
+    return A.Resize(size, size, area_for_downscale="image")
+
+
+def _crop(size: int, min_scale: float) -> A.BasicTransform:
+    return A.RandomResizedCrop((size, size), scale=(min_scale, 1.0), ratio=(0.85, 1.18), area_for_downscale="image")
+
+
+# Built-in recipes: name -> (image_size -> transforms before Normalize).
+AUGMENT_RECIPES: dict[str, Callable[[int], list[A.BasicTransform]]] = {
+    "none": lambda size: [_resize(size)],
+    "light": lambda size: [
+        _resize(size),
+        A.HorizontalFlip(p=0.5),
+        A.Affine(translate_percent=(-0.04, 0.04), scale=(0.95, 1.05), rotate=(-8, 8), p=0.5),
+    ],
+    "default": lambda size: [
+        _crop(size, 0.7),
+        A.HorizontalFlip(p=0.5),
+        A.Affine(rotate=(-15, 15), p=0.5),
+        A.RandomBrightnessContrast(brightness_limit=0.1, contrast_limit=0.1, p=0.5),
+    ],
+    "strong": lambda size: [
+        _crop(size, 0.5),
+        A.HorizontalFlip(p=0.5),
+        A.VerticalFlip(p=0.5),
+        A.Affine(rotate=(-30, 30), shear=(-8, 8), scale=(0.9, 1.1), p=0.7),
+        A.RandomBrightnessContrast(brightness_limit=0.2, contrast_limit=0.2, p=0.7),
+        A.RandomGamma(gamma_limit=(80, 120), p=0.5),
+        A.GaussianBlur(sigma_limit=(0.3, 1.2), p=0.2),
+        A.GaussNoise(std_range=(0.01, 0.04), p=0.3),
+        A.CoarseDropout(num_holes_range=(1, 4), hole_height_range=(0.05, 0.15), hole_width_range=(0.05, 0.15), p=0.3),
+    ],
+}
+
+
+def normalization_stats(
+    in_chans: int, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std: given ones (a single value is repeated), else ImageNet's.
+
+    ImageNet statistics are averaged to one value for ``in_chans == 1``.
+
+    Raises:
+        ValueError: A length that is neither 1 nor ``in_chans``, or a std that is not positive.
+    """
+    if in_chans not in (1, 3):
+        raise ValueError(f"in_chans must be 1 (grayscale) or 3 (colour), got {in_chans}")
+    defaults = (IMAGENET_MEAN, IMAGENET_STD)
+    stats = []
+    for name, given, default in (("mean", mean, defaults[0]), ("std", std, defaults[1])):
+        if given is None:
+            values = tuple(default) if in_chans == 3 else (float(np.mean(default)),)
+        elif len(given) in (1, in_chans):
+            values = tuple(float(v) for v in given) * (in_chans // len(given))
+        else:
+            raise ValueError(f"{name} has {len(given)} values; give 1 or in_chans={in_chans}")
+        stats.append(values)
+    if min(stats[1]) <= 0:
+        raise ValueError(f"std must be positive, got {list(stats[1])}")
+    return stats[0], stats[1]
+
+
+def _normalize(mean: Sequence[float], std: Sequence[float]) -> A.Normalize:
+    return A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=1.0)
+
+
+def train_transform(
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    augment: str = "default",
+    user_transforms: A.Compose | None = None,
+    seed: int | None = None,
+) -> A.Compose:
+    """Training pipeline: a built-in recipe, or ``user_transforms`` + resize; then Normalize.
+
+    Args:
+        image_size: Output side in pixels.
+        mean: Per-channel mean (length = channels).
+        std: Per-channel std.
+        augment: One of :data:`AUGMENT_RECIPES` (ignored when ``user_transforms`` is given).
+        user_transforms: A full override; must not contain its own ``Normalize``.
+        seed: Seed of the Compose's generator (workers reseed it, see :func:`seed_worker`).
+
+    Raises:
+        ValueError: Unknown recipe, or a ``Normalize`` inside ``user_transforms``.
+    """
+    if user_transforms is not None:
+        if any(isinstance(t, A.Normalize) for t in _flatten(user_transforms)):
+            raise ValueError(
+                "train_transforms contains Normalize; remove it: vitlab appends "
+                "Normalize(max_pixel_value=1.0) with the configured mean/std"
+            )
+        steps = [user_transforms, _resize(image_size)]
+    elif augment in AUGMENT_RECIPES:
+        steps = AUGMENT_RECIPES[augment](image_size)
+    else:
+        raise ValueError(f"unknown augment recipe {augment!r}; valid: {', '.join(AUGMENT_RECIPES)}")
+    return A.Compose([*steps, _normalize(mean, std)], seed=seed)
+
+
+def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> A.Compose:
+    """Deterministic pipeline for validation, test and probes: resize + Normalize."""
+    return A.Compose([_resize(image_size), _normalize(mean, std)], seed=0)
+
+
+def _flatten(transform: A.BasicTransform | A.BaseCompose) -> list:
+    """All leaf transforms of a (nested) Compose."""
+    children = getattr(transform, "transforms", None)
+    if children is None:
+        return [transform]
+    return [leaf for child in children for leaf in _flatten(child)]
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: reseed Python, NumPy and the dataset's albumentations RNG.
+
+    ``torch.initial_seed()`` differs per worker (base seed + worker id), so workers draw
+    different augmentations while a fixed DataLoader generator keeps runs reproducible.
+    """
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    info = torch.utils.data.get_worker_info()
+    transform = getattr(info.dataset, "transform", None) if info is not None else None
+    if transform is not None and hasattr(transform, "set_random_seed"):
+        transform.set_random_seed(seed)

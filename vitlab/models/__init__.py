@@ -1,0 +1,70 @@
+"""vitlab.models: the only package that knows how timm and torchvision lay out vision transformers.
+
+Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normalization`,
+:func:`parameter_groups`, :func:`freeze`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.
+Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_attention`,
+:func:`capture`, :func:`forward_until`. Supported families: timm ViT/DeiT, timm Swin (v1), timm
+MLP-Mixer, torchvision ViT and torchvision Swin (v1); one adapter each in ``timm_families`` /
+``torchvision_families``.
+"""
+
+from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
+from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, supported_families
+from vitlab.models.anatomy import (
+    blocks,
+    embeddings,
+    family_name,
+    input_size,
+    num_blocks,
+    out_proj,
+    part_prefixes,
+    qkv,
+    select_blocks,
+)
+from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
+from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
+from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
+from vitlab.models.optim import freeze, layer_ids, parameter_groups
+from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
+from vitlab.models.weights import LoadReport, WeightsMismatchError, load_weights, read_state_dict
+
+__all__ = [
+    "AttentionRecord",
+    "BlockView",
+    "CAPTURE_SITES",
+    "Capture",
+    "Embeddings",
+    "LoadReport",
+    "PretrainedWeightsUnavailable",
+    "TransplantReport",
+    "UnsupportedModelError",
+    "WeightsMismatchError",
+    "ablate",
+    "ablated",
+    "ablation_components",
+    "ablation_state",
+    "blocks",
+    "build_model",
+    "capture",
+    "dense_window_attention",
+    "embeddings",
+    "family_name",
+    "forward_until",
+    "freeze",
+    "input_size",
+    "layer_ids",
+    "load_weights",
+    "normalization",
+    "num_blocks",
+    "out_proj",
+    "parameter_groups",
+    "part_prefixes",
+    "qkv",
+    "read_state_dict",
+    "record_attention",
+    "restore",
+    "select_blocks",
+    "supported_families",
+    "transplant",
+    "transplant_parts",
+]

@@ -1,0 +1,314 @@
+"""Family adapters: the single place that knows how each library lays out a vision transformer.
+
+An adapter describes one model family (timm ViT, timm Swin, ...) through a small, uniform vocabulary:
+its blocks (with their stage/index), the sub-modules of a block (``norm1``, token mixer, ``norm2``,
+``mlp``), how to run the two branches of a block, where its fused Q/K/V projection lives, how to
+record attention probabilities, and which parameter-name prefixes form the embedding / head / norm.
+Everything else in :mod:`vitlab.models` is written once against this vocabulary; adding a family is
+adding one :class:`FamilyAdapter` subclass and registering it with :func:`register_adapter`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "BlockView",
+    "Embeddings",
+    "FamilyAdapter",
+    "UnsupportedModelError",
+    "conv_embeddings",
+    "get_adapter",
+    "register_adapter",
+    "supported_families",
+    "unwrap_model",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """Raised for a model whose family vitlab has no adapter for."""
+
+
+@dataclass(frozen=True, eq=False)
+class BlockView:
+    """One transformer block as seen by vitlab.
+
+    Attributes:
+        name: ``stage{s}.block{b}`` (ViT-like models have a single stage 0).
+        stage: Stage index ``s``.
+        index: Block index ``b`` inside its stage.
+        global_index: Position ``g`` among all blocks (``sum(depths[:s]) + b``).
+        module: The live block module.
+        qualname: The block's dotted path in the model (its state_dict prefix).
+        dim: Channel width C of the residual stream in this block.
+        num_heads: Attention heads (None for MLP-Mixer).
+        head_dim: Channels per head (None for MLP-Mixer).
+        has_attention: False for MLP-Mixer blocks (token mixing is an MLP).
+        window_size: Swin attention window (h, w) at the configured input size; None otherwise.
+        shift_size: Swin cyclic shift (h, w), (0, 0) for unshifted blocks; None otherwise.
+        rel_pos_table: Swin relative-position bias table ((2w-1)^2, heads), the live Parameter; or None.
+        grid: Token grid (H, W) entering this block at the model's configured input size.
+        num_prefix_tokens: Class/register tokens in front of the patch tokens (0 for Swin/Mixer).
+    """
+
+    name: str
+    stage: int
+    index: int
+    global_index: int
+    module: nn.Module = field(repr=False)
+    qualname: str
+    dim: int
+    num_heads: Optional[int]
+    head_dim: Optional[int]
+    has_attention: bool
+    window_size: Optional[tuple[int, int]]
+    shift_size: Optional[tuple[int, int]]
+    rel_pos_table: Optional[nn.Parameter] = field(repr=False)
+    grid: tuple[int, int]
+    num_prefix_tokens: int
+
+
+@dataclass(frozen=True, eq=False)
+class Embeddings:
+    """Input embedding of a model, for the patch-filter / position-embedding probes.
+
+    Attributes:
+        patch_weight: Effective patch-embedding filters (D, in_chans, P, P). A live parameter (view)
+            except for torchvision models built with ``in_chans=1``, where it is the RGB filters summed.
+        patch_bias: Patch-embedding bias (D,) or None.
+        pos_embed: Position embedding of the patch tokens only (H*W, D), or None (Swin, Mixer).
+        cls_token: Class token (D,), or None.
+        num_prefix_tokens: Tokens in front of the patch tokens.
+        grid: Patch grid (H, W) at the configured input size.
+        patch_size: Patch size (ph, pw) in pixels.
+    """
+
+    patch_weight: Tensor
+    patch_bias: Optional[Tensor]
+    pos_embed: Optional[Tensor]
+    cls_token: Optional[Tensor]
+    num_prefix_tokens: int
+    grid: tuple[int, int]
+    patch_size: tuple[int, int]
+
+
+def _pair(value) -> tuple[int, int]:
+    """Turns an int or a 2-sequence into a (h, w) tuple of ints."""
+    if isinstance(value, int):
+        return (value, value)
+    first, second = value
+    return (int(first), int(second))
+
+
+class FamilyAdapter:
+    """Describes one model family. Subclasses override the methods below; the rest of vitlab only
+    talks to models through them.
+
+    Class attributes:
+        family: Short id, e.g. ``"timm-vit"``.
+        description: Human name for error messages, e.g. ``"timm VisionTransformer (vit_*, deit_*)"``.
+        mixer_name: Name of the token-mixing branch: ``"attention"`` or ``"token_mixing"`` (Mixer).
+        part_names: Block-relative module names of ``norm1``, ``mixer``, ``norm2``, ``mlp``.
+        input_conv: Dotted name of the first (patch-embedding) convolution.
+        mlp_act_name: Name of the activation inside the block's channel MLP.
+    """
+
+    family: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    mixer_name: ClassVar[str] = "attention"
+    part_names: ClassVar[dict[str, str]] = {}
+    input_conv: ClassVar[str] = ""
+    mlp_act_name: ClassVar[str] = "act"
+
+    # ---- identification -------------------------------------------------------------------------
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        """Whether ``model`` belongs to this family (and uses the block layout this adapter knows)."""
+        raise NotImplementedError
+
+    # ---- anatomy ------------------------------------------------------------------------------------
+    def block_views(self, model: nn.Module) -> list[BlockView]:
+        """All blocks in forward order."""
+        raise NotImplementedError
+
+    def embeddings(self, model: nn.Module) -> Embeddings:
+        """Patch / position / class embeddings."""
+        raise NotImplementedError
+
+    def num_prefix_tokens(self, model: nn.Module) -> int:
+        """Class/register tokens in front of the patch tokens."""
+        return 0
+
+    def image_size(self, model: nn.Module) -> tuple[int, int]:
+        """Configured input size (H, W) in pixels."""
+        raise NotImplementedError
+
+    def in_chans(self, model: nn.Module) -> int:
+        """Number of input image channels the model accepts."""
+        conv = model.get_submodule(self.input_conv)
+        return int(getattr(conv, "in_chans", conv.in_channels))
+
+    def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``)."""
+        qkv = self._attention(block).qkv
+        return qkv.weight, qkv.bias
+
+    def out_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+        """The attention output projection: weight (C, C') and bias or None (default: ``attn.proj``)."""
+        proj = self._attention(block).proj
+        return proj.weight, proj.bias
+
+    def _attention(self, block: nn.Module) -> nn.Module:
+        if self.mixer_name != "attention":
+            raise ValueError(f"{self.description} has no query/key/value: token mixing is an MLP")
+        return self.part(block, "mixer")
+
+    # ---- running a block by parts (ablation, capture) ------------------------------------------------
+    def part(self, block: nn.Module, part: str) -> nn.Module:
+        """The block's ``norm1`` / ``mixer`` / ``norm2`` / ``mlp`` sub-module."""
+        return block.get_submodule(self.part_names[part])
+
+    def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
+        """Token-mixing branch on the normalised input, up to (excluding) the residual add."""
+        raise NotImplementedError
+
+    def mlp_branch(self, block: nn.Module, h: Tensor) -> Tensor:
+        """Channel-MLP branch on the normalised input, up to (excluding) the residual add."""
+        raise NotImplementedError
+
+    def to_mlp_layout(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        """Reshape the stream between the two branches as the library does; returns (x, undo)."""
+        return x, _identity
+
+    def mlp_activation(self, block: nn.Module) -> nn.Module:
+        """The activation module of the block's channel MLP (its output is the MLP hidden layer)."""
+        return self.part(block, "mlp").get_submodule(self.mlp_act_name)
+
+    # ---- attention recording -------------------------------------------------------------------------
+    def attention_recorder(self, block: nn.Module, sink: Callable[[Tensor], None]) -> AbstractContextManager:
+        """A context manager under which every forward of ``block`` calls ``sink`` with its post-softmax
+        attention probabilities: (B, heads, N, N), or (B*nW, heads, w*w, w*w) for Swin windows."""
+        raise NotImplementedError(f"{self.description} has no attention to record")
+
+    def window_geometry(self, block: nn.Module, grid: tuple[int, int]) -> Optional[tuple]:
+        """Swin only: ((wh, ww), (sh, sw), roll_before_pad) the block uses on a runtime ``grid``."""
+        return None
+
+    # ---- parameters by name ------------------------------------------------------------------------
+    def parts(self, model: nn.Module) -> dict[str, list[str]]:
+        """Named model parts -> parameter-name prefixes (``patch_embed``, ``pos_embed``, ``cls_token``,
+        ``norm``, ``head``). Parts the family lacks are absent."""
+        raise NotImplementedError
+
+    def embedding_prefixes(self, model: nn.Module) -> list[str]:
+        """Parameter-name prefixes of everything before the first block (layer 0 for layer decay)."""
+        raise NotImplementedError
+
+    def stage_entry_prefixes(self, model: nn.Module) -> dict[str, int]:
+        """Prefixes of between-stage modules (Swin patch merging) -> global index of the block they feed."""
+        return {}
+
+    def filter_state_dict(self, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+        """Convert a library-format state dict for this model (e.g. resample position embeddings)."""
+        return state_dict
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def conv_embeddings(conv: nn.Conv2d, grid: tuple[int, int], pos_embed: Optional[Tensor] = None,
+                    cls_token: Optional[Tensor] = None, num_prefix_tokens: int = 0) -> Embeddings:
+    """:class:`Embeddings` of a patchify convolution; a channel-repeating conv (torchvision grayscale)
+    reports its RGB filters summed, the filters it effectively applies."""
+    weight = conv.weight.detach()  # (D, C, P, P)
+    if getattr(conv, "in_chans", conv.in_channels) == 1 and weight.shape[1] != 1:
+        weight = weight.sum(dim=1, keepdim=True)  # (D, 1, P, P)
+    return Embeddings(
+        patch_weight=weight, patch_bias=None if conv.bias is None else conv.bias.detach(), pos_embed=pos_embed,
+        cls_token=cls_token, num_prefix_tokens=num_prefix_tokens, grid=grid, patch_size=_pair(conv.kernel_size),
+    )
+
+
+_REGISTRY: list[type[FamilyAdapter]] = []
+
+
+def register_adapter(adapter: type[FamilyAdapter]) -> type[FamilyAdapter]:
+    """Class decorator adding an adapter to the registry."""
+    _REGISTRY.append(adapter)
+    return adapter
+
+
+def supported_families() -> list[str]:
+    """Descriptions of all supported families (for error messages)."""
+    _load_builtin_adapters()
+    return [adapter.description for adapter in _REGISTRY]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Returns the plain network inside a ``torch.compile`` wrapper (or the model itself)."""
+    return getattr(model, "_orig_mod", model)
+
+
+def get_adapter(model: nn.Module) -> FamilyAdapter:
+    """Returns the adapter for ``model``.
+
+    Raises:
+        UnsupportedModelError: if no adapter matches; the message lists the supported families.
+    """
+    _load_builtin_adapters()
+    model = unwrap_model(model)
+    cached = model.__dict__.get("_vitlab_adapter")
+    if cached is not None:
+        return cached
+    for adapter_cls in _REGISTRY:
+        if adapter_cls.matches(model):
+            adapter = adapter_cls()
+            model.__dict__["_vitlab_adapter"] = adapter
+            return adapter
+    raise UnsupportedModelError(
+        f"unsupported model {type(model).__module__}.{type(model).__name__}: vitlab supports "
+        + "; ".join(supported_families())
+    )
+
+
+def _load_builtin_adapters() -> None:
+    """Import the built-in adapter modules (they register themselves)."""
+    if not _REGISTRY:
+        from vitlab.models import timm_families, torchvision_families  # noqa: F401
+
+
+def window_slot_tokens(
+    grid: tuple[int, int], window: tuple[int, int], shift: tuple[int, int], roll_before_pad: bool
+) -> Tensor:
+    """Original token index of every slot of every Swin window (pad slots hold ``H*W``).
+
+    Args:
+        grid: Token grid (H, W) of the block input.
+        window: Window size (wh, ww).
+        shift: Cyclic shift (sh, sw); the library rolls by ``-shift`` before partitioning.
+        roll_before_pad: timm rolls the unpadded grid then pads; torchvision pads then rolls.
+
+    Returns:
+        LongTensor (nW, wh*ww) in the library's window order.
+    """
+    height, width = grid
+    wh, ww = window
+    padded_h, padded_w = -(-height // wh) * wh, -(-width // ww) * ww
+    tokens = torch.arange(height * width).view(height, width)
+    padded = torch.full((padded_h, padded_w), height * width, dtype=torch.long)
+    if roll_before_pad:
+        if any(shift):
+            tokens = torch.roll(tokens, shifts=(-shift[0], -shift[1]), dims=(0, 1))
+        padded[:height, :width] = tokens
+    else:
+        padded[:height, :width] = tokens
+        if any(shift):
+            padded = torch.roll(padded, shifts=(-shift[0], -shift[1]), dims=(0, 1))
+    windows = padded.view(padded_h // wh, wh, padded_w // ww, ww).permute(0, 2, 1, 3)  # (nH, nW, wh, ww)
+    return windows.reshape(-1, wh * ww)

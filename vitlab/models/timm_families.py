@@ -1,0 +1,242 @@
+"""Adapters for timm's VisionTransformer (ViT, DeiT), SwinTransformer (v1) and MlpMixer."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from torch import Tensor, nn
+from timm.layers import Attention, PatchEmbed
+from timm.models import mlp_mixer, swin_transformer, vision_transformer
+
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
+
+__all__ = ["TimmMixerAdapter", "TimmSwinAdapter", "TimmViTAdapter"]
+
+
+@contextmanager
+def _explicit_attention(attn: nn.Module, hook_site: nn.Module, use_output: bool,
+                        sink: Callable[[Tensor], None]) -> Iterator[None]:
+    """Force timm's explicit (non-fused) attention path and report the probabilities seen at
+    ``hook_site`` (input of ``attn_drop`` or output of ``softmax``); restores everything on exit."""
+    fused = attn.fused_attn
+    if use_output:
+        handle = hook_site.register_forward_hook(lambda module, args, output: sink(output))
+    else:
+        handle = hook_site.register_forward_pre_hook(lambda module, args: sink(args[0]))
+    attn.fused_attn = False
+    try:
+        yield
+    finally:
+        attn.fused_attn = fused
+        handle.remove()
+
+
+def _timm_filter(filter_fn: Callable, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """Apply timm's checkpoint converter; a file of another architecture is left for the key check."""
+    try:
+        return filter_fn(state_dict, model)
+    except (AttributeError, KeyError, RuntimeError, ValueError, IndexError):
+        return state_dict
+
+
+class _TimmPlainBlocks(FamilyAdapter):
+    """Shared parts of timm models with a flat ``blocks`` list and a ``stem``/``patch_embed``."""
+
+    embed_module: str = "patch_embed"
+
+    def _patch_embed(self, model: nn.Module) -> nn.Module:
+        return model.get_submodule(self.embed_module)
+
+    def image_size(self, model: nn.Module) -> tuple[int, int]:
+        return _pair(self._patch_embed(model).img_size)
+
+    def _grid(self, model: nn.Module) -> tuple[int, int]:
+        return _pair(self._patch_embed(model).grid_size)
+
+
+@register_adapter
+class TimmViTAdapter(_TimmPlainBlocks):
+    """timm ``VisionTransformer`` with standard pre-norm ``Block`` and fused-QKV ``Attention``."""
+
+    family = "timm-vit"
+    description = "timm VisionTransformer (vit_*, deit_*)"
+    part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
+    input_conv = "patch_embed.proj"
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        if not isinstance(model, vision_transformer.VisionTransformer):
+            return False
+        return isinstance(model.patch_embed, PatchEmbed) and all(
+            type(block) is vision_transformer.Block and type(block.attn) is Attention
+            and getattr(block.attn, "gate", None) is None
+            for block in model.blocks
+        )
+
+    def num_prefix_tokens(self, model: nn.Module) -> int:
+        return int(model.num_prefix_tokens)
+
+    def block_views(self, model: nn.Module) -> list[BlockView]:
+        grid, prefix = self._grid(model), self.num_prefix_tokens(model)
+        views = []
+        for index, block in enumerate(model.blocks):
+            attn = block.attn
+            views.append(BlockView(
+                name=f"stage0.block{index}", stage=0, index=index, global_index=index, module=block,
+                qualname=f"blocks.{index}", dim=attn.qkv.in_features, num_heads=attn.num_heads,
+                head_dim=attn.head_dim, has_attention=True, window_size=None, shift_size=None,
+                rel_pos_table=None, grid=grid, num_prefix_tokens=prefix,
+            ))
+        return views
+
+    def embeddings(self, model: nn.Module) -> Embeddings:
+        conv, prefix = model.patch_embed.proj, self.num_prefix_tokens(model)
+        pos = None
+        if model.pos_embed is not None:
+            pos = model.pos_embed.detach()[0]  # (N, D)
+            pos = pos if model.no_embed_class else pos[prefix:]
+        cls_token = model.cls_token.detach()[0, 0] if model.cls_token is not None else None
+        return conv_embeddings(conv, self._grid(model), pos, cls_token, prefix)
+
+    def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
+        return block.drop_path1(block.ls1(block.attn(h, **kwargs)))
+
+    def mlp_branch(self, block: nn.Module, h: Tensor) -> Tensor:
+        return block.drop_path2(block.ls2(block.mlp(h)))
+
+    def attention_recorder(self, block: nn.Module, sink: Callable[[Tensor], None]):
+        # the explicit path passes the probabilities (B, H, N, N) through attn_drop
+        return _explicit_attention(block.attn, block.attn.attn_drop, use_output=False, sink=sink)
+
+    def parts(self, model: nn.Module) -> dict[str, list[str]]:
+        parts = {"patch_embed": ["patch_embed."], "norm": ["norm.", "fc_norm."],
+                 "head": ["head.", "head_dist."]}
+        if model.pos_embed is not None:
+            parts["pos_embed"] = ["pos_embed"]
+        if model.cls_token is not None:
+            parts["cls_token"] = ["cls_token"]
+        return parts
+
+    def embedding_prefixes(self, model: nn.Module) -> list[str]:
+        return ["patch_embed.", "cls_token", "reg_token", "dist_token", "pos_embed", "norm_pre."]
+
+    def filter_state_dict(self, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+        return _timm_filter(vision_transformer.checkpoint_filter_fn, state_dict, model)
+
+
+@register_adapter
+class TimmMixerAdapter(_TimmPlainBlocks):
+    """timm ``MlpMixer`` with ``MixerBlock`` (token-mixing MLP over the transposed tokens)."""
+
+    family = "timm-mixer"
+    description = "timm MLP-Mixer (mixer_*)"
+    mixer_name = "token_mixing"
+    part_names = {"norm1": "norm1", "mixer": "mlp_tokens", "norm2": "norm2", "mlp": "mlp_channels"}
+    input_conv = "stem.proj"
+    embed_module = "stem"
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return isinstance(model, mlp_mixer.MlpMixer) and all(
+            type(block) is mlp_mixer.MixerBlock for block in model.blocks)
+
+    def block_views(self, model: nn.Module) -> list[BlockView]:
+        grid = self._grid(model)
+        return [
+            BlockView(
+                name=f"stage0.block{index}", stage=0, index=index, global_index=index, module=block,
+                qualname=f"blocks.{index}", dim=block.norm1.normalized_shape[0], num_heads=None,
+                head_dim=None, has_attention=False, window_size=None, shift_size=None, rel_pos_table=None,
+                grid=grid, num_prefix_tokens=0,
+            )
+            for index, block in enumerate(model.blocks)
+        ]
+
+    def embeddings(self, model: nn.Module) -> Embeddings:
+        return conv_embeddings(model.stem.proj, self._grid(model))
+
+    def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
+        # (B, T, C) -> token MLP over T on (B, C, T) -> back to (B, T, C)
+        return block.drop_path(block.mlp_tokens(h.transpose(1, 2)).transpose(1, 2))
+
+    def mlp_branch(self, block: nn.Module, h: Tensor) -> Tensor:
+        return block.drop_path(block.mlp_channels(h))
+
+    def parts(self, model: nn.Module) -> dict[str, list[str]]:
+        return {"patch_embed": ["stem."], "norm": ["norm."], "head": ["head."]}
+
+    def embedding_prefixes(self, model: nn.Module) -> list[str]:
+        return ["stem."]
+
+    def filter_state_dict(self, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+        return _timm_filter(mlp_mixer.checkpoint_filter_fn, state_dict, model)
+
+
+@register_adapter
+class TimmSwinAdapter(FamilyAdapter):
+    """timm ``SwinTransformer`` (v1): stages ``layers[s]`` (downsample at the stage start) of blocks."""
+
+    family = "timm-swin"
+    description = "timm SwinTransformer (swin_*)"
+    part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
+    input_conv = "patch_embed.proj"
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return isinstance(model, swin_transformer.SwinTransformer)
+
+    def image_size(self, model: nn.Module) -> tuple[int, int]:
+        return _pair(model.patch_embed.img_size)
+
+    def block_views(self, model: nn.Module) -> list[BlockView]:
+        views, global_index = [], 0
+        for stage, layer in enumerate(model.layers):
+            for index, block in enumerate(layer.blocks):
+                attn = block.attn
+                views.append(BlockView(
+                    name=f"stage{stage}.block{index}", stage=stage, index=index, global_index=global_index,
+                    module=block, qualname=f"layers.{stage}.blocks.{index}", dim=block.dim,
+                    num_heads=attn.num_heads, head_dim=attn.qkv.out_features // 3 // attn.num_heads,
+                    has_attention=True, window_size=_pair(block.window_size),
+                    shift_size=_pair(block.shift_size), rel_pos_table=attn.relative_position_bias_table,
+                    grid=_pair(block.input_resolution), num_prefix_tokens=0,
+                ))
+                global_index += 1
+        return views
+
+    def embeddings(self, model: nn.Module) -> Embeddings:
+        return conv_embeddings(model.patch_embed.proj, _pair(model.patch_embed.grid_size))
+
+    def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
+        return block.drop_path1(block._attn(h))  # (B, H, W, C): roll, windows, attention, un-window, roll back
+
+    def mlp_branch(self, block: nn.Module, h: Tensor) -> Tensor:
+        return block.drop_path2(block.mlp(h))
+
+    def to_mlp_layout(self, x: Tensor):
+        batch, height, width, channels = x.shape
+        return x.reshape(batch, -1, channels), lambda y: y.reshape(batch, height, width, channels)
+
+    def attention_recorder(self, block: nn.Module, sink: Callable[[Tensor], None]):
+        # softmax output: (B*nW, H, w*w, w*w), after the relative-position bias and the shift mask
+        return _explicit_attention(block.attn, block.attn.softmax, use_output=True, sink=sink)
+
+    def window_geometry(self, block: nn.Module, grid: tuple[int, int]):
+        return _pair(block.window_size), _pair(block.shift_size), True
+
+    def parts(self, model: nn.Module) -> dict[str, list[str]]:
+        return {"patch_embed": ["patch_embed."], "norm": ["norm."], "head": ["head."]}
+
+    def embedding_prefixes(self, model: nn.Module) -> list[str]:
+        return ["patch_embed.", "absolute_pos_embed"]
+
+    def stage_entry_prefixes(self, model: nn.Module) -> dict[str, int]:
+        entries, first_block = {}, 0
+        for stage, layer in enumerate(model.layers):
+            entries[f"layers.{stage}.downsample."] = first_block
+            first_block += len(layer.blocks)
+        return entries
+
+    def filter_state_dict(self, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+        return _timm_filter(swin_transformer.checkpoint_filter_fn, state_dict, model)

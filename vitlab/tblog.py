@@ -1,0 +1,202 @@
+"""The one place vitlab writes outputs: TensorBoard writer lookup, figures, atomic files and tables.
+
+Callbacks and probes gather tensors through :mod:`vitlab.models`, compute through :mod:`vitlab.analysis`
+and write through these helpers, so every output is written the same (atomic, rank-zero) way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def tensorboard_writer(trainer: Any):
+    """The ``SummaryWriter`` of the trainer's first TensorBoard logger, or ``None`` when it has none."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    for logger in getattr(trainer, "loggers", []) or []:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def require_tensorboard(trainer: Any, owner: str) -> None:
+    """Raise at ``setup`` when a callback that writes TensorBoard images has no TensorBoard logger."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    if not any(isinstance(lg, TensorBoardLogger) for lg in getattr(trainer, "loggers", []) or []):
+        raise RuntimeError(
+            f"{owner} needs a TensorBoardLogger: set trainer.logger to "
+            "pytorch_lightning.loggers.TensorBoardLogger (the vitlab default) instead of "
+            f"{[type(lg).__name__ for lg in trainer.loggers] or 'no logger'}"
+        )
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` (atomic on POSIX).
+
+    A crash or exception leaves no partial file under the final name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the normal permissions
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write ``tensors`` to a safetensors file atomically; metadata values are stored as strings."""
+    from safetensors.torch import save_file
+
+    clean = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    with atomic_path(path) as tmp:
+        save_file(clean, str(tmp), metadata=meta)
+    return Path(path)
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], fieldnames: Sequence[str] | None = None) -> Path:
+    """Write dict rows to a CSV file atomically (columns from ``fieldnames`` or the first row)."""
+    rows = list(rows)
+    if fieldnames is None:
+        fieldnames = list(rows[0].keys()) if rows else []
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(fieldnames))
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: _plain(v) for k, v in row.items()})
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write JSON atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=_plain))
+    return Path(path)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float):
+        return float(f"{value:.8g}")
+    return value
+
+
+def heatmap_figure(
+    matrix: torch.Tensor | np.ndarray,
+    *,
+    title: str = "",
+    xlabel: str = "",
+    ylabel: str = "",
+    xticklabels: Sequence[str] | None = None,
+    yticklabels: Sequence[str] | None = None,
+    cmap: str = "viridis",
+    annotate: bool = False,
+    colorbar_label: str = "",
+    figsize: tuple[float, float] | None = None,
+):
+    """A matplotlib heatmap of a 2-D array (rows top to bottom), ready for ``SummaryWriter.add_figure``."""
+    data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
+    rows, cols = data.shape
+    if figsize is None:
+        figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
+    fig, ax = plt.subplots(figsize=figsize, dpi=90)
+    im = ax.imshow(data, aspect="auto", cmap=cmap, interpolation="nearest")
+    cbar = fig.colorbar(im, ax=ax)
+    if colorbar_label:
+        cbar.set_label(colorbar_label)
+    if xticklabels is not None:
+        long_labels = cols > 6 or max((len(str(t)) for t in xticklabels), default=0) > 6
+        ax.set_xticks(range(cols), labels=list(xticklabels), rotation=90 if long_labels else 0, fontsize=7)
+    if yticklabels is not None:
+        ax.set_yticks(range(rows), labels=list(yticklabels), fontsize=7)
+    if annotate:
+        for r in range(rows):
+            for c in range(cols):
+                ax.text(c, r, f"{data[r, c]:.3g}", ha="center", va="center", fontsize=7, color="w")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    return fig
+
+
+def confusion_matrix_figure(confusion: torch.Tensor, class_names: Sequence[str]):
+    """Confusion matrix (rows: true class, columns: predicted) with counts written in each cell."""
+    return heatmap_figure(
+        confusion,
+        title="validation confusion matrix",
+        xlabel="predicted",
+        ylabel="true",
+        xticklabels=class_names,
+        yticklabels=class_names,
+        cmap="Blues",
+        annotate=True,
+        figsize=(2.5 + 0.6 * len(class_names), 2.0 + 0.5 * len(class_names)),
+    )
+
+
+def figure_to_array(fig) -> np.ndarray:
+    """Render a matplotlib figure to an (H, W, 3) uint8 array and close it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    buf.seek(0)
+    from PIL import Image
+
+    return np.asarray(Image.open(buf).convert("RGB"))
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Save a figure as PNG atomically and close it."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return Path(path)
+
+
+def write_layout_once(trainer: Any) -> None:
+    """Write one merged custom-scalars layout for every callback that offers ``tensorboard_layout()``.
+
+    TensorBoard's custom-scalars plugin reads only the first layout of a run, so callbacks must not each
+    write their own: the first one to log calls this and the layouts of all of them are merged.
+    """
+    writer = tensorboard_writer(trainer)
+    if writer is None or getattr(writer, "_vitlab_layout_written", False):
+        return
+    layout: dict[str, Any] = {}
+    for callback in getattr(trainer, "callbacks", []):
+        make = getattr(callback, "tensorboard_layout", None)
+        if callable(make):
+            layout.update(make())
+    if layout:
+        writer.add_custom_scalars(layout)
+    writer._vitlab_layout_written = True
