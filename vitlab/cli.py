@@ -141,7 +141,7 @@ def _exit_with_message(err: BaseException) -> None:
 
 def _is_user_error(err: BaseException) -> bool:
     module = type(err).__module__ or ""
-    return module.startswith("vitlab") or type(err) in (ValueError, FileNotFoundError)
+    return module.startswith("vitlab") or type(err) in (ValueError, FileNotFoundError, FileExistsError)
 
 
 def probe_main(args: list[str] | None = None) -> None:
@@ -150,5 +150,5 @@ def probe_main(args: list[str] | None = None) -> None:
 
     try:
         main(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as err:
         _exit_with_message(err)

@@ -4,7 +4,7 @@ Every formula of SPEC §3-§6 lives here once; callbacks and probes gather tenso
 ``vitlab.models`` and call these functions.
 """
 
-from vitlab.analysis.drift import ROW_METRICS, head_grid, matrix_drift, row_drift
+from vitlab.analysis.drift import ROW_METRICS, drift_summary, head_grid, matrix_drift, row_drift
 from vitlab.analysis.mi import (
     MIDistanceCurves,
     binned_mi,
@@ -21,6 +21,7 @@ __all__ = [
     "ROW_METRICS",
     "row_drift",
     "matrix_drift",
+    "drift_summary",
     "head_grid",
     "QKSpectra",
     "qk_spectra",

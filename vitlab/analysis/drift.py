@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_METRICS", "row_drift", "matrix_drift", "head_grid"]
+__all__ = ["ROW_METRICS", "row_drift", "matrix_drift", "drift_summary", "head_grid"]
 
 #: Keys of :func:`row_drift`, in a stable order (also the metrics :func:`matrix_drift` aggregates).
 ROW_METRICS: tuple[str, ...] = ("cosine_distance", "euclidean", "mse", "dot", "ref_norm", "cur_norm")
@@ -116,7 +116,11 @@ def matrix_drift(ref: Tensor, cur: Tensor) -> dict[str, float]:
         x/0 -> inf), and ``{metric}_mean``, ``{metric}_median``, ``{metric}_max`` over rows for every
         metric in :data:`ROW_METRICS`. The median is the midpoint median (as numpy), not torch's lower one.
     """
-    rows = row_drift(ref, cur)
+    return drift_summary(row_drift(ref, cur))
+
+
+def drift_summary(rows: dict[str, Tensor]) -> dict[str, float]:
+    """The :func:`matrix_drift` summary from an existing :func:`row_drift` result (no recomputation)."""
     frob_diff = rows["euclidean"].square().sum().sqrt()
     frob_ref = rows["ref_norm"].square().sum().sqrt()
     frob_cur = rows["cur_norm"].square().sum().sqrt()

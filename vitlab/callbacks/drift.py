@@ -9,7 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from vitlab.analysis import head_grid, row_drift
+from vitlab.analysis import drift_summary, head_grid, row_drift
 from vitlab.callbacks._state import (
     MATRICES,
     block_stage,
@@ -24,7 +24,7 @@ from vitlab.callbacks._state import (
 from vitlab.tblog import write_layout_once, heatmap_figure, require_tensorboard, save_safetensors, tensorboard_writer, write_csv
 from vitlab.tbimage import colorize, hstack_panels, vstack_panels
 
-ROW_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
+DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
 MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
 LOCAL_METRICS = ("cosine_distance", "euclidean")
 
@@ -44,15 +44,9 @@ def drift_tables(
     for block in blocks:
         for m in MATRICES:
             key = f"{block}.{m}.weight"
-            r = row_drift(ref[key], cur[key])
-            rows[(block, m)] = r
-            ref_fro = r["ref_norm"].square().sum().sqrt()
-            summary[(block, m)] = {
-                **{name: float(r[name].mean()) for name in ROW_METRICS},
-                # ||cur - ref||_F^2 = sum over rows of ||u - v||^2
-                "rel_frobenius": float(r["euclidean"].square().sum().sqrt() / ref_fro.clamp_min(1e-30)),
-                "norm_ratio": float(r["cur_norm"].square().sum().sqrt() / ref_fro.clamp_min(1e-30)),
-            }
+            rows[(block, m)] = r = row_drift(ref[key], cur[key])
+            full = drift_summary(r)
+            summary[(block, m)] = {**{name: full[f"{name}_mean"] for name in DRIFT_METRICS}, **{k: full[k] for k in MATRIX_METRICS}}
     return rows, summary
 
 
@@ -69,7 +63,7 @@ def extra_drift(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> d
 
 
 def _log_scalars(writer, sum_ref, sum_prev, step) -> None:
-    metrics = ROW_METRICS + MATRIX_METRICS
+    metrics = DRIFT_METRICS + MATRIX_METRICS
     for (block, m), values in sum_ref.items():
         for name in metrics:
             writer.add_scalar(f"drift/{name}/{block}.{m}", values[name], step)
@@ -97,7 +91,7 @@ def _log_extras(writer, extras: dict[str, float], step: int) -> None:
 
 
 def _log_histograms(writer, rows_ref, step) -> None:
-    for name in ROW_METRICS:
+    for name in DRIFT_METRICS:
         for m in MATRICES:
             values = torch.cat([r[name] for (b, mm), r in rows_ref.items() if mm == m])
             writer.add_histogram(f"drift_rows/{name}/{m}", values, step)
@@ -105,7 +99,7 @@ def _log_histograms(writer, rows_ref, step) -> None:
 
 def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True) -> None:
     blocks = list(heads)
-    for name in ROW_METRICS + ("rel_frobenius",):
+    for name in DRIFT_METRICS + ("rel_frobenius",):
         grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks])  # (blocks, 3)
         fig = heatmap_figure(
             grid.T,
@@ -132,7 +126,7 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True)
 def drift_layout() -> dict[str, Any]:
     """Custom-scalars layout: one category per metric, charts per Q/K/V, per stage and global."""
     layout: dict[str, Any] = {}
-    for name in ROW_METRICS + MATRIX_METRICS:
+    for name in DRIFT_METRICS + MATRIX_METRICS:
         charts = {f"{m.upper()} per block": ["Multiline", [rf"drift/{name}/.*\.{m}$"]] for m in MATRICES}
         charts["per stage"] = ["Multiline", [rf"drift_stage/{name}/.*"]]
         charts["global (vs reference | vs previous epoch)"] = ["Multiline", [rf"drift_global/{name}/.*", rf"drift_step_global/{name}/.*"]]
@@ -145,7 +139,7 @@ def write_drift_table(path: Path, epoch: int, rows_ref, heads) -> None:
     table = []
     for (block, m), r in rows_ref.items():
         head_dim = len(r["dot"]) // heads[block]
-        columns = {k: r[k].tolist() for k in ROW_METRICS + ("ref_norm", "cur_norm")}
+        columns = {k: r[k].tolist() for k in DRIFT_METRICS + ("ref_norm", "cur_norm")}
         for i in range(len(r["dot"])):
             table.append({"epoch": epoch, "block": block, "stage": block_stage(block), "matrix": m, "row": i, "head": i // head_dim, **{k: v[i] for k, v in columns.items()}})
     write_csv(path, table)

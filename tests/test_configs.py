@@ -1,0 +1,56 @@
+"""Every shipped config parses; the small ones train a step; the pretrained ones fail fast offline."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from vitlab.cli import fit, train_main
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart"))]
+
+
+def test_all_configs_listed():
+    names = {c.stem for c in CONFIGS}
+    assert {"quickstart", "medical_swin", "medical_vit", "mixer", "ablation_residual", "ablation_layernorm", "ablation_attention", "ablation_mlp"} <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exc:
+        fit(["--config", str(config), "--print_config"])
+    assert exc.value.code == 0
+    printed = capsys.readouterr().out
+    assert "model_name" in printed and "trainer" in printed
+
+
+@pytest.mark.parametrize("config", SMALL, ids=lambda c: c.stem)
+def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
+    cli = fit([
+        "--config", str(config),
+        "--data.root", str(tiny_dataset), "--data.num_workers", "0", "--data.batch_size", "4",
+        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ])
+    assert cli.trainer.global_step == 1
+    ablate = cli.config.model.get("ablate")
+    if ablate:
+        from vitlab.models import ablation_state
+
+        assert ablation_state(cli.model.model), "the config's ablation was not applied"
+
+
+@pytest.mark.parametrize("config", ["medical_swin", "medical_vit"])
+def test_pretrained_offline_fails_fast_with_a_way_forward(config, tiny_dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--config", str(Path("configs") / f"{config}.yaml"), "--data.root", str(tiny_dataset), "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    assert exc.value.code == 2
+    assert time.perf_counter() - start < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "model.weights" in err[0] and "pretrained: false" in err[0]

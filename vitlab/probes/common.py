@@ -1,0 +1,287 @@
+"""What every ``probe.py`` subcommand shares: model loading, images, output folder, progress, Ctrl-C.
+
+A subcommand is a module in :mod:`vitlab.probes` with ``HELP`` (one line + example), ``add_arguments(parser)``
+and ``run(ctx: ProbeContext) -> None``; it reads models and images through the context and writes through
+``ctx.writer`` (TensorBoard) and :mod:`vitlab.tblog` (tables) into ``ctx.out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from vitlab import models
+
+T = TypeVar("T")
+IMAGE_SUFFIXES = {".dcm", ".dicom", ".png", ".jpg", ".jpeg", ".tif", ".tiff"}
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, images: bool = True, model: bool = True) -> None:
+    """Arguments every subcommand shares (model source, images, output, seed, device)."""
+    if model:
+        src = parser.add_argument_group("model (one of --checkpoint, --config, --model)")
+        add_model_arguments(src)
+    if images:
+        img = parser.add_argument_group("images")
+        img.add_argument("--images", nargs="+", metavar="PATH", help="image files or folders (DICOM/PNG/JPEG/TIFF); default: validation images of --config's data, else of the embedded dataset")
+        img.add_argument("--num-images", type=int, default=None, help="how many images to use (default: the subcommand's own)")
+        img.add_argument("--split", default="val", choices=["train", "val", "test"], help="split of the data section / embedded dataset to draw images from")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=None, help="output folder (default runs/probe-<subcommand>-<name>/): TensorBoard events + CSV/JSON tables")
+    out.add_argument("--overwrite", action="store_true", help="replace the results already in --out")
+    out.add_argument("--seed", type=int, default=0)
+    out.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def add_model_arguments(group, prefix: str = "") -> None:
+    """--checkpoint / --config / --model [--pretrained | --weights] (optionally prefixed, e.g. ``second-``)."""
+    dash = f"--{prefix}"
+    group.add_argument(f"{dash}checkpoint", type=Path, default=None, help="a vitlab training checkpoint (.ckpt): architecture and weights")
+    group.add_argument(f"{dash}config", type=Path, default=None, help="a training config (e.g. runs/x/version_0/config.yaml): architecture and data; weights from its checkpoints/last.ckpt when present")
+    group.add_argument(f"{dash}model", default=None, help="a timm / torchvision model name, e.g. vit_base_patch32_224")
+    group.add_argument(f"{dash}pretrained", action="store_true", help="with --model: the library's pretrained weights")
+    group.add_argument(f"{dash}weights", type=Path, default=None, help="with --model: a local weights file")
+    group.add_argument(f"{dash}model-kwargs", default=None, help='with --model: constructor arguments as JSON, e.g. \'{"img_size": 64}\'')
+    group.add_argument(f"{dash}num-classes", type=int, default=None, help="with --model: classes of the head (default: the pretrained / weights head, else 2)")
+    group.add_argument(f"{dash}in-chans", type=int, default=None, help="with --model: input channels (default 3)")
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for probing plus where it came from."""
+
+    model: nn.Module
+    name: str
+    source: str
+    build: dict[str, Any] = field(default_factory=dict)  # build_model arguments (to make a fresh copy)
+    data: dict[str, Any] | None = None  # the training config's data section, when known
+
+    def fresh(self, seed: int = 0) -> nn.Module:
+        """An untrained model of the same architecture (for transplant / untrained baselines)."""
+        torch.manual_seed(seed)
+        args = {k: v for k, v in self.build.items() if k not in ("weights", "pretrained")}
+        return models.build_model(**args).eval()
+
+
+def _lightning_hparams(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"--checkpoint {path}: no such file")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file ends in one line
+        raise ValueError(f"--checkpoint {path}: not a readable torch checkpoint ({type(err).__name__}: {err})") from None
+    hp = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    if not hp or "model_name" not in hp:
+        raise ValueError(f"--checkpoint {path}: not a vitlab training checkpoint (no model hyperparameters); use --model NAME --weights {path}")
+    return hp, ckpt["state_dict"]
+
+
+def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") -> LoadedModel:
+    """Build the model named by --checkpoint / --config / --model (with the given option prefix)."""
+    get = lambda key: getattr(args, f"{prefix}{key}".replace("-", "_"), None)  # noqa: E731
+    checkpoint, config, name = get("checkpoint"), get("config"), get("model")
+    flag = f"--{prefix}"
+    if sum(x is not None for x in (checkpoint, name)) > 1:
+        raise ValueError(f"give one of {flag}checkpoint or {flag}model, not both")
+    data = None
+    if config is not None:
+        cfg = _read_config(config)
+        data = cfg.get("data") or {}
+        if checkpoint is None and name is None:
+            last = config.parent / "checkpoints" / "last.ckpt"
+            if last.is_file():
+                checkpoint = last
+            else:
+                hp = cfg.get("model") or {}
+                build = dict(name=hp.get("model_name"), num_classes=_num_classes(data), in_chans=data.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
+                model = models.build_model(**build)
+                return LoadedModel(_prepare(model, hp.get("ablate"), device), str(build["name"]), f"{config} (untrained: no checkpoints/last.ckpt beside it)", build, data)
+    if checkpoint is not None:
+        hp, state = _lightning_hparams(Path(checkpoint))
+        build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
+        model = models.build_model(**build)
+        models.load_weights(model, state)
+        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data)
+    if name is None:
+        raise ValueError(f"no model given: use {flag}checkpoint PATH.ckpt, {flag}config RUN/config.yaml or {flag}model NAME [{flag}pretrained | {flag}weights FILE]")
+    kwargs = json.loads(get("model_kwargs")) if get("model_kwargs") else {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{flag}model-kwargs must be a JSON object, got {get('model_kwargs')!r}")
+    build = dict(name=name, num_classes=get("num_classes") or (1000 if get("pretrained") else 2), in_chans=get("in_chans") or 3,
+                 pretrained=bool(get("pretrained")), weights=str(get("weights")) if get("weights") else None, **kwargs)
+    model = models.build_model(**build)
+    return LoadedModel(_prepare(model, None, device), name, str(get("weights") or ("pretrained" if get("pretrained") else "untrained")), build, data)
+
+
+def _prepare(model: nn.Module, ablate: dict[str, Any] | None, device: str) -> nn.Module:
+    if ablate:
+        models.ablate(model, **ablate)
+    return model.to(device).eval()
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    with open(path) as handle:
+        cfg = yaml.safe_load(handle) or {}
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise ValueError(f"--config {path}: not a vitlab training config (no 'model' section)")
+    return cfg
+
+
+def _num_classes(data: dict[str, Any]) -> int:
+    from vitlab.data import MedicalDataModule
+
+    return MedicalDataModule(**_datamodule_args(data)).num_classes
+
+
+def _datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
+    keep = {"root", "in_chans", "window", "window_center", "window_width", "window_index", "frames", "val_fraction", "test_fraction", "seed", "on_bad_file", "mean", "std", "embedded_kwargs", "classes"}
+    return {k: v for k, v in (data or {}).items() if k in keep}
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+@dataclass
+class ImageBatch:
+    """Probe images: ``pixels`` in [0, 1] (for display / inversion targets) and the model input."""
+
+    pixels: torch.Tensor  # (N, C, H, W) in [0, 1]
+    inputs: torch.Tensor  # (N, C, H, W) normalised with the model's mean/std
+    labels: torch.Tensor | None  # (N,) int64, when the source has labels
+    names: list[str]
+    class_names: list[str] | None = None
+
+
+def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageBatch:
+    """Images from --images, else the split of --config's data section, else of the embedded dataset."""
+    from vitlab.data import MedicalDataModule, read_image
+
+    in_chans, height, width = models.input_size(loaded.model)
+    mean, std = models.normalization(loaded.model)
+    count = args.num_images or default_count
+    if count < 1:
+        raise ValueError(f"--num-images must be >= 1, got {count}")
+    split = split or args.split
+    labels = None
+    class_names = None
+    if args.images:
+        files = _expand_images(args.images)
+        arrays = [read_image(f) for f in files[:count]]
+        names = [str(f) for f in files[:count]]
+    else:
+        dm = MedicalDataModule(**{**_datamodule_args(loaded.data or {}), "in_chans": in_chans, "image_size": height, "augment": "none", "num_workers": 0, "mean": [0.0] * in_chans, "std": [1.0] * in_chans})
+        samples = dm.samples(split)
+        if not samples:
+            raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
+        generator = torch.Generator().manual_seed(args.seed)
+        order = torch.randperm(len(samples), generator=generator)[:count].tolist()
+        dataset = dm.dataset(split)
+        pixels, label_list = [], []
+        for i in order:
+            image, label = dataset[i]
+            pixels.append(image)
+            label_list.append(int(label))
+        names = [str(samples[i].path) for i in order]
+        batch = torch.stack(pixels).float()
+        labels = torch.tensor(label_list)
+        class_names = dm.class_names
+        return _finish(batch.clamp(0, 1), labels, names, class_names, mean, std)
+    batch = torch.stack([_to_tensor(a, in_chans, height, width) for a in arrays])
+    return _finish(batch, labels, names, class_names, mean, std)
+
+
+def _finish(pixels, labels, names, class_names, mean, std) -> ImageBatch:
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    return ImageBatch(pixels, (pixels - m) / s, labels, names, class_names)
+
+
+def _to_tensor(array, in_chans: int, height: int, width: int) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    t = torch.as_tensor(array, dtype=torch.float32)
+    t = t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1)  # (C, H, W)
+    if t.shape[0] != in_chans:
+        t = t.mean(0, keepdim=True).repeat(in_chans, 1, 1) if in_chans in (1, 3) else t[:1].repeat(in_chans, 1, 1)
+    return F.interpolate(t[None], size=(height, width), mode="bilinear", align_corners=False, antialias=True)[0].clamp(0, 1)
+
+
+def _expand_images(paths: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"--images {p}: no such file or folder")
+    if not files:
+        raise ValueError(f"--images {' '.join(paths)}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def prepare_out(out: Path | None, subcommand: str, name: str, overwrite: bool) -> Path:
+    """The output folder: created if new; an existing non-empty one needs --overwrite (old results removed)."""
+    if out is None:
+        safe = name.replace("/", "_").replace(":", "_")
+        out = Path("runs") / f"probe-{subcommand}-{safe}"
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out {out} already holds results; pass --overwrite to replace them or choose another --out")
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def progress(iterable: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
+    """A tqdm progress bar (to stderr) around a long loop."""
+    from tqdm.auto import tqdm
+
+    yield from tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+@dataclass
+class ProbeContext:
+    """Everything a subcommand's ``run`` receives."""
+
+    args: argparse.Namespace
+    subcommand: str
+    out: Path
+    device: torch.device
+    writer: Any  # torch.utils.tensorboard.SummaryWriter
+    loaded: LoadedModel | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        assert self.loaded is not None, "this subcommand loads no model"
+        return self.loaded.model
+
+    def images(self, default_count: int, split: str | None = None) -> ImageBatch:
+        assert self.loaded is not None
+        return load_images(self.args, self.loaded, default_count, split)
+
+    def load_second_model(self, prefix: str) -> LoadedModel:
+        return load_model(self.args, prefix=prefix, device=str(self.device))
