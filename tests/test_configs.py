@@ -32,7 +32,7 @@ def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
     cli = fit([
         "--config", str(config),
         "--data.root", str(tiny_dataset), "--data.num_workers", "0", "--data.batch_size", "4",
-        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1",
+        "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "2",
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
     ])
     assert cli.trainer.global_step == 1

@@ -12,10 +12,13 @@ from pydicom.data import get_testdata_file
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
 from pydicom.uid import JPEGLSLossless
 
+from vitlab.data.dicom import native_plan
 from vitlab.data.io import (
     WINDOW_PRESETS,
     ImageNotFoundError,
+    ImageReader,
     ImageReadError,
+    ReadOptions,
     header_info,
     modality_values,
     read_image,
@@ -241,7 +244,9 @@ def test_jpeg_ls_without_decoder_names_the_packages():
     for call in (read_image, header_info):
         with pytest.raises(ImageReadError) as error:
             call(path)
-        assert_one_line(error, "MR_small_jpeg_ls_lossless.dcm", "JPEG-LS", "pylibjpeg-libjpeg", "pyjpegls", "python-gdcm")
+        assert_one_line(
+            error, "MR_small_jpeg_ls_lossless.dcm", "JPEG-LS", "pylibjpeg-libjpeg", "pyjpegls", "python-gdcm"
+        )
 
 
 def test_non_dicom_and_pixelless_dicom(tmp_path):
@@ -267,3 +272,57 @@ def test_truncated_png_fails_at_decode_not_at_header(tmp_path):
     with pytest.raises(ImageReadError) as error:
         read_image(tmp_path / "cut.png")
     assert_one_line(error, "cut.png", "cannot decode")
+
+
+# ---------------------------------------------------------------- ImageReader fast path
+def variants(tmp_path) -> list[str]:
+    """Real files plus edited copies: MONOCHROME1, fractional rescale, 12 of 16 bits with junk high bits."""
+    ct = pydicom.dcmread(pydicom_file("CT_small.dcm"))
+    ct.PhotometricInterpretation = "MONOCHROME1"
+    ct.RescaleSlope, ct.RescaleIntercept = 0.37, -100.25
+    ct.save_as(tmp_path / "mono1_rescaled.dcm")
+    junk = pydicom.dcmread(pydicom_file("CT_small.dcm"))
+    junk.BitsStored, junk.HighBit = 12, 11
+    junk.PixelData = (np.frombuffer(junk.PixelData, "<u2") | np.uint16(0x8000)).tobytes()  # set an unused bit
+    junk.save_as(tmp_path / "junk_high_bits.dcm")
+    names = ["CT_small.dcm", "MR_small.dcm", "MR_small_implicit.dcm", "MR_small_bigendian.dcm", "rtdose.dcm",
+             "examples_overlay.dcm", "MR_small_RLE.dcm", "SC_rgb_rle_2frame.dcm"]  # fmt: skip
+    edited = [str(tmp_path / "mono1_rescaled.dcm"), str(tmp_path / "junk_high_bits.dcm")]
+    return [pydicom_file(n) for n in names] + edited
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"window": "bone"}, {"window_center": 35.5, "window_width": 123.0}, {"frames": 0}, {"frames": "all"}],
+)
+def test_image_reader_equals_read_image(tmp_path, options):
+    reader = ImageReader(ReadOptions(**options))
+    for path in variants(tmp_path):
+        expected = read_image(path, **options)
+        for _ in range(2):  # first read parses the header, the second uses the remembered plan
+            np.testing.assert_array_equal(reader(path), expected, err_msg=path)
+
+
+def test_fast_path_applies_to_uncompressed_grayscale_only(tmp_path):
+    files = dict(zip(["ct", "mr", "implicit", "bigendian", "rtdose", "overlay", "rle", "rgb", "mono1", "junk"],
+                     variants(tmp_path)))  # fmt: skip
+    planned = {name for name, path in files.items() if native_plan(path, ReadOptions()) is not None}
+    assert planned == {"ct", "mr", "implicit", "rtdose", "overlay", "mono1", "junk"}
+    plan = native_plan(files["ct"], ReadOptions())
+    assert (plan.dtype, plan.rows, plan.rescale, plan.window) == ("<i2", 128, (1.0, -1024.0), None)
+
+
+def test_image_reader_notices_edited_files(tmp_path):
+    path = tmp_path / "ct.dcm"
+    shutil.copy(pydicom_file("CT_small.dcm"), path)
+    reader = ImageReader(ReadOptions(window="brain"))
+    before = reader(path)
+    ds = pydicom.dcmread(path)
+    ds.RescaleIntercept = -1000
+    ds.save_as(path)
+    after = reader(path)
+    np.testing.assert_array_equal(after, read_image(path, window="brain"))
+    assert not np.array_equal(before, after)
+    path.unlink()
+    with pytest.raises(ImageNotFoundError):
+        reader(path)

@@ -16,6 +16,8 @@ from PIL import Image
 from pydicom.data import get_testdata_file
 
 import vitlab.data.dataset as dataset_module
+import vitlab.data.dicom as dicom_module
+import vitlab.data.io as io_module
 from vitlab.data import MedicalDataModule, SkippedFileWarning, read_image
 from vitlab.data.io import ImageReadError
 from vitlab.data.layouts import patient_overlap
@@ -49,11 +51,28 @@ def test_attributes_exist_after_init_without_decoding(tiny_dataset, monkeypatch)
     def no_decoding(*args, **kwargs):
         raise AssertionError("__init__ must not decode pixels")
 
-    monkeypatch.setattr(dataset_module, "read_with_options", no_decoding)
+    monkeypatch.setattr(dataset_module.ImageReader, "__call__", no_decoding)
     dm = module(tiny_dataset, in_chans=3)
     assert (dm.num_classes, dm.class_names, dm.in_chans) == (2, ["lesion", "no_lesion"], 3)
     dm.setup("fit")  # header checks and the split need no decoding either
     assert len(dm.samples("train")) + len(dm.samples("val")) == 32
+
+
+def test_headers_are_parsed_once_at_setup_and_reused_by_loaders(tiny_dataset, monkeypatch):
+    dm = module(tiny_dataset)
+    dm.setup("fit")
+    expected = [read_image(s.path) for s in dm.samples("train")[:4]]
+
+    def no_second_parse(path):
+        raise AssertionError(f"header of {path} parsed again")
+
+    monkeypatch.setattr(dicom_module, "dicom_header", no_second_parse)
+    monkeypatch.setattr(io_module, "dicom_header", no_second_parse)
+    dataset = dm.dataset("train")
+    for i, image in enumerate(expected):
+        np.testing.assert_array_equal(dataset.load_array(i), image)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1)
+    assert next(iter(loader))[0].shape == (4, 1, 32, 32)  # the memory travels to workers too
 
 
 @pytest.mark.parametrize("in_chans", [1, 3])
@@ -149,7 +168,8 @@ def test_manifest_split_column_is_used_and_leaks_are_warned(tiny_dataset, tmp_pa
         writer = csv.writer(f)
         writer.writerow(["path", "label", "split", "patient_id"])
         for i, row in enumerate(rows):  # alternate rows: every patient in train and val
-            writer.writerow([tiny_dataset.parent / row["path"], row["label"], "train" if i % 2 else "val", row["patient_id"]])
+            split = "train" if i % 2 else "val"
+            writer.writerow([tiny_dataset.parent / row["path"], row["label"], split, row["patient_id"]])
     dm = module(manifest)
     with pytest.warns(UserWarning, match="appear in several splits"):
         dm.setup("fit")

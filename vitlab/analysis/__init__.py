@@ -5,6 +5,8 @@ Every formula of SPEC §3-§6 lives here once; callbacks and probes gather tenso
 """
 
 from vitlab.analysis.drift import ROW_METRICS, drift_summary, head_grid, matrix_drift, row_drift
+from vitlab.analysis.moments import Moments, central_moments, merge_moments
+from vitlab.analysis.probing import ProbeScore, balanced_accuracy, knn_probe, linear_probe
 from vitlab.analysis.mi import (
     MIDistanceCurves,
     binned_mi,
@@ -18,6 +20,13 @@ from vitlab.analysis.spectra import QKSpectra, effective_rank, qk_matrices, qk_s
 from vitlab.analysis.stats import AngleStats, attention_vs_angle, excess_kurtosis, linear_cka
 
 __all__ = [
+    "Moments",
+    "central_moments",
+    "merge_moments",
+    "ProbeScore",
+    "balanced_accuracy",
+    "knn_probe",
+    "linear_probe",
     "ROW_METRICS",
     "row_drift",
     "matrix_drift",

@@ -42,7 +42,8 @@ def _radix_argsort(block: Tensor) -> Tensor:
 def _twice_ranks(block: Tensor) -> tuple[Tensor, Tensor]:
     """Twice the average rank (integers 2..2N) of every entry of a (c, N) block, in sorted order.
 
-    Returns (twice_rank_sorted (c, N) int32, order (c, N) int64) with sorted[:, i] = block[:, order[:, i]].
+    Returns (twice_rank_sorted (c, N) int32 (int64 for huge blocks), order (c, N) int64) with
+    sorted[:, i] = block[:, order[:, i]].
     """
     cols, n = block.shape
     if block.device.type == "cpu":
@@ -55,16 +56,17 @@ def _twice_ranks(block: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError("samples contain NaN or inf; drop or impute them first")
     starts = torch.ones(cols, n, dtype=torch.bool, device=block.device)  # first entry of each run of equals
     torch.ne(sorted_vals[:, 1:], sorted_vals[:, :-1], out=starts[:, 1:])
+    # int32 and in-place ops where possible: these arrays are as large as the block
+    idx = torch.int32 if 2 * cols * n + 2 < 2**31 else torch.int64
     if bool(starts.all()):  # no ties
-        return (2 * torch.arange(1, n + 1, dtype=torch.int32, device=block.device)).expand(cols, n), order
+        return (2 * torch.arange(1, n + 1, dtype=idx, device=block.device)).expand(cols, n), order
     # Runs of equal values, numbered over the flattened block (every row starts a new run).
-    # (int32 and in-place ops: these arrays are as large as the block)
-    run = starts.reshape(-1).cumsum(0, dtype=torch.int32).sub_(1)  # (c*N,) run of every entry
-    length = torch.bincount(run).to(torch.int32)  # (R,)
-    first = length.cumsum(0, dtype=torch.int32).sub_(length)  # (R,) flat position of each run's first entry
+    run = starts.reshape(-1).cumsum(0, dtype=idx).sub_(1)  # (c*N,) run of every entry
+    length = torch.bincount(run).to(idx)  # (R,)
+    first = length.cumsum(0, dtype=idx).sub_(length)  # (R,) flat position of each run's first entry
     # twice the average 1-based rank, (first + 1) + (first + length), then made relative to the row start
     twice = first.mul_(2).add_(length).add_(1).index_select(0, run).reshape(cols, n)
-    row_start = torch.arange(cols, dtype=torch.int32, device=block.device).unsqueeze(1) * (2 * n)  # (c, 1)
+    row_start = torch.arange(cols, dtype=idx, device=block.device).unsqueeze(1) * (2 * n)  # (c, 1)
     return twice.sub_(row_start), order
 
 

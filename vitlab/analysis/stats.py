@@ -111,7 +111,7 @@ def attention_vs_angle(attn: Tensor, h: Tensor, bin_degrees: float = 5.0) -> Ang
     if not 0 < bin_degrees <= 180:
         raise ValueError(f"attention_vs_angle: bin_degrees must be in (0, 180], got {bin_degrees}")
     n_bins = math.ceil(180.0 / bin_degrees - 1e-9)
-    edges = (torch.arange(n_bins + 1, dtype=torch.float64) * bin_degrees).clamp_(max=180.0)  # (n_bins + 1,)
+    edges = torch.arange(n_bins + 1, dtype=torch.float64, device=attn.device).mul_(bin_degrees).clamp_(max=180.0)
 
     unit = torch.nn.functional.normalize(h.detach().to(torch.float64), dim=-1)  # (B, N, C), zero rows stay 0
     theta = torch.rad2deg(torch.arccos((unit @ unit.mT).clamp(-1.0, 1.0)))  # (B, N, N) degrees

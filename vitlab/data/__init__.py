@@ -6,6 +6,7 @@ from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.io import (
     WINDOW_PRESETS,
     ImageNotFoundError,
+    ImageReader,
     ImageReadError,
     ReadOptions,
     modality_values,
@@ -20,6 +21,7 @@ __all__ = [
     "ArrayCache",
     "ImageNotFoundError",
     "ImageReadError",
+    "ImageReader",
     "MedicalDataModule",
     "MedicalImageDataset",
     "ReadOptions",

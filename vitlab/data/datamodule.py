@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from vitlab.data.cache import ArrayCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
-from vitlab.data.io import ReadOptions
+from vitlab.data.io import ImageReader, ReadOptions
 from vitlab.data.layouts import SPLITS, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.synthetic import embedded_dataset
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
@@ -28,6 +28,14 @@ class MedicalDataModule(pl.LightningDataModule):
     and ``in_chans`` exist right after construction for LightningCLI's argument links. Headers are
     checked and splits assigned on first need (``setup`` or :meth:`samples`); pixels are decoded
     only by the dataloaders.
+
+    Bad files, without decoding anything twice: ``setup`` reads every header once (missing files,
+    non-DICOM, no pixel data, missing decoder plugin, truncated uncompressed pixels; DICOM
+    PatientIDs for the split). Under ``on_bad_file="skip"`` each is warned about and dropped and
+    ``skipped_files`` counts them (logged as ``data/skipped_files`` to the trainer's loggers);
+    under ``"error"`` the first one stops the run. The headers stay in ``self.reader``, so the
+    loaders read uncompressed pixels without parsing again; a file that still fails at decode
+    time (e.g. corrupt compressed data) is warned about and replaced by the next image.
 
     Args:
         root: Class-folder root or a ``.csv`` manifest; None -> the embedded synthetic dataset.
@@ -94,6 +102,7 @@ class MedicalDataModule(pl.LightningDataModule):
         if frames == "all":
             raise ValueError("frames='all' gives a volume per file; the DataModule needs 'middle' or a frame index")
         self.read_options = ReadOptions(window, window_center, window_width, window_index, frames)
+        self.reader = ImageReader(self.read_options)  # remembers headers from setup's check for the loaders
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
         self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
@@ -118,7 +127,9 @@ class MedicalDataModule(pl.LightningDataModule):
             folder = Path(cache_dir).expanduser().resolve() if cache_dir else cache_root() / "arrays"
             data_folder = (self.root if self.root.is_dir() else self.root.parent).resolve()
             if folder.resolve().is_relative_to(data_folder):
-                raise ValueError(f"cache_dir {folder} is inside the data folder {data_folder}; vitlab never writes there")
+                raise ValueError(
+                    f"cache_dir {folder} is inside the data folder {data_folder}; vitlab never writes there"
+                )
             options_key = repr(dataclasses.astuple(self.read_options))
             self.array_cache = ArrayCache(folder, options_key)
 
@@ -127,7 +138,7 @@ class MedicalDataModule(pl.LightningDataModule):
         """Header-check the files and assign splits (once)."""
         if self._samples is not None:
             return self._samples
-        kept, skipped = check_files(self._layout.samples, self.on_bad_file)
+        kept, skipped = check_files(self._layout.samples, self.on_bad_file, inspect=self.reader.inspect)
         self.skipped_files = len(self._layout.skipped or []) + len(skipped)
         present = sorted({s.label for s in kept})
         if len(present) < 2:
@@ -185,7 +196,7 @@ class MedicalDataModule(pl.LightningDataModule):
         return MedicalImageDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
-            on_bad_file=self.on_bad_file, cache=self.array_cache,
+            on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader,
         )  # fmt: skip
 
     def _loader(self, split: str, train: bool) -> DataLoader:
@@ -213,7 +224,9 @@ class MedicalDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """Test batches; only when a test split exists (see :attr:`has_test`)."""
         if not self.has_test:
-            raise ValueError(f"{self.root}: no test split; set test_fraction > 0 or add split=test rows to the manifest")
+            raise ValueError(
+                f"{self.root}: no test split; set test_fraction > 0 or add split=test rows to the manifest"
+            )
         return self._loader("test", train=False)
 
 

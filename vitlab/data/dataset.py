@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vitlab.data.cache import ArrayCache
-from vitlab.data.io import ImageReadError, ReadOptions, read_with_options
+from vitlab.data.io import ImageReader, ImageReadError, ReadOptions
 from vitlab.data.layouts import Sample, SkippedFileWarning
 
 # ITU-R BT.601 luma weights, to feed colour images to a grayscale model.
@@ -44,6 +44,8 @@ class MedicalImageDataset(Dataset):
         read_options: How files are decoded and windowed.
         on_bad_file: ``"skip"`` or ``"error"``.
         cache: Decoded-array cache, or None to decode every time.
+        reader: A reader whose header memory is already filled (see ``ImageReader.inspect``);
+            None -> a new one with ``read_options``.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class MedicalImageDataset(Dataset):
         read_options: ReadOptions | None = None,
         on_bad_file: str = "skip",
         cache: ArrayCache | None = None,
+        reader: ImageReader | None = None,
     ) -> None:
         if read_options is not None and read_options.frames == "all":
             raise ValueError("frames='all' gives a volume per file; a 2-D dataset needs 'middle' or a frame index")
@@ -65,6 +68,9 @@ class MedicalImageDataset(Dataset):
         self.transform = transform
         self.in_chans = in_chans
         self.read_options = read_options or ReadOptions()
+        if reader is not None and reader.options != self.read_options:
+            raise ValueError("reader.options differ from read_options")
+        self.reader = reader or ImageReader(self.read_options)
         self.on_bad_file = on_bad_file
         self.cache = cache
         self.bad_paths: set[str] = set()  # files that failed to decode in this process
@@ -76,8 +82,8 @@ class MedicalImageDataset(Dataset):
         """Decoded, windowed float32 image in [0, 1], (H, W) or (H, W, 3), from the cache if enabled."""
         path = self.samples[index].path
         if self.cache is None:
-            return read_with_options(path, self.read_options)
-        return self.cache.load(path, lambda: read_with_options(path, self.read_options))
+            return self.reader(path)
+        return self.cache.load(path, lambda: self.reader(path))
 
     def _first_readable(self, index: int) -> tuple[np.ndarray, int]:
         for offset in range(len(self)):

@@ -11,8 +11,9 @@ split stratified by label and grouped by patient (no patient in two splits).
 
 Bad files are found in two passes without decoding pixels twice: :func:`check_files` reads only
 headers before training (missing files, non-DICOM files, missing decoders, truncated uncompressed
-pixel data; it also collects DICOM PatientIDs for the split), and whatever slips through fails at
-decode time in the dataset, which warns and substitutes the next image.
+pixel data; it also collects DICOM PatientIDs for the split, and the DataModule keeps the parsed
+headers for the loaders), and whatever slips through fails at decode time in the dataset, which
+warns and substitutes the next image.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import csv
 import os
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -112,7 +113,8 @@ def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_ba
         layout.class_names = found
     if len(layout.class_names) < 2:
         hint = " (a manifest.csv is there: pass its path as root)" if (root / "manifest.csv").exists() else ""
-        raise ValueError(f"{root}: found {len(layout.class_names)} class(es) {layout.class_names}; need at least two{hint}")
+        found_text = f"found {len(layout.class_names)} class(es) {layout.class_names}"
+        raise ValueError(f"{root}: {found_text}; need at least two{hint}")
     return layout
 
 
@@ -138,7 +140,10 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ValueError(f"cannot read manifest {manifest}: {exc}") from None
     if not rows or not any(cell.strip() for cell in rows[0]):
-        raise ValueError(f"manifest {manifest} is empty or starts with a blank line; expected a header 'path,label[,split][,patient_id]'")
+        raise ValueError(
+            f"manifest {manifest} is empty or starts with a blank line; "
+            "expected a header 'path,label[,split][,patient_id]'"
+        )
     header = [h.strip().lower() for h in rows[0]]
     missing = [c for c in ("path", "label") if c not in header]
     if missing:
@@ -172,12 +177,18 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
     return Layout(samples=samples, class_names=[], has_split_column="split" in column, skipped=skipped)
 
 
-def check_files(samples: Sequence[Sample], on_bad_file: str = "skip") -> tuple[list[Sample], list[str]]:
+def check_files(
+    samples: Sequence[Sample],
+    on_bad_file: str = "skip",
+    inspect: Callable[[Path], dict] = header_info,
+) -> tuple[list[Sample], list[str]]:
     """Header-check every file and fill in patient ids (no pixel decoding).
 
     Args:
         samples: Samples from :func:`scan`.
         on_bad_file: ``"skip"`` (warn and drop) or ``"error"`` (raise the first problem).
+        inspect: The header check; :meth:`~vitlab.data.io.ImageReader.inspect` also remembers
+            each header so that reading the pixels later needs no second parse.
 
     Returns:
         The usable samples, each with a ``patient_id`` (manifest value, else DICOM PatientID, else
@@ -186,7 +197,7 @@ def check_files(samples: Sequence[Sample], on_bad_file: str = "skip") -> tuple[l
     kept, skipped = [], []
     for sample in samples:
         try:
-            info = header_info(sample.path)
+            info = inspect(sample.path)
         except ImageReadError as error:
             skip_or_raise(error, on_bad_file, skipped)
             continue

@@ -61,7 +61,9 @@ def _ellipse_depth(x, y, cx, cy, ax, ay, angle=0.0):
     return (1.0 - rho) * min(ax, ay), rho
 
 
-def _patient_volume(rng: np.random.Generator, slices: int, size: int, difficulty: float) -> tuple[np.ndarray, np.ndarray]:
+def _patient_volume(
+    rng: np.random.Generator, slices: int, size: int, difficulty: float
+) -> tuple[np.ndarray, np.ndarray]:
     """One patient's slices in HU, (slices, size, size) float32, and which slices show a lesion (slices,) bool."""
     px = size / 128.0  # pixel scale relative to the default size
     y, x = np.mgrid[0:size, 0:size].astype(np.float32)
@@ -110,7 +112,7 @@ def _draw_lesions(rng, start, run, px, body, spine, difficulty):
     """Random lesion parameters: position inside the body, away from the spine."""
     cx, cy, ax, ay = body
     low, high = (1 - difficulty) * np.array([150.0, 300.0]) + difficulty * np.array([10.0, 30.0])  # HU
-    r_low, r_high = (1 - difficulty) * np.array([5.0, 14.0]) + difficulty * np.array([2.5, 8.0])  # px at 128
+    r_low, r_high = (1 - difficulty) * np.array([8.0, 20.0]) + difficulty * np.array([2.5, 8.0])  # px at 128
     draws = []
     for _ in range(1 + int(rng.random() < 0.25)):
         radius = np.exp(rng.uniform(np.log(r_low), np.log(r_high))) * px
@@ -124,7 +126,7 @@ def _draw_lesions(rng, start, run, px, body, spine, difficulty):
             radius=radius, aspect=rng.uniform(0.7, 1.0), angle=rng.uniform(0, np.pi),
             wobble=(rng.uniform(0, 0.15), rng.uniform(0, 2 * np.pi), rng.uniform(0, 0.1), rng.uniform(0, 2 * np.pi)),
             edge=rng.uniform(0.1, 0.3) * radius, contrast=rng.uniform(low, high) * (-1 if rng.random() < 0.6 else 1),
-            texture=rng.choice(["homogeneous", "heterogeneous"] + ["rim"] * int(radius > 5 * px)),
+            texture=rng.choice(["homogeneous", "heterogeneous"] + ["rim"] * int(radius > 7 * px)),
         ))  # fmt: skip
     return draws
 
@@ -186,7 +188,7 @@ def generate(
         patients: Number of patients.
         slices: Slices per patient; the lesion shows on ``slices // 2`` of them.
         size: Image side in pixels.
-        difficulty: From 0 (lesions of 150-300 HU contrast and 5-14 px radius at size 128: obvious)
+        difficulty: From 0 (lesions of 150-300 HU contrast and 8-20 px radius at size 128: obvious)
             to 1 (10-30 HU, 2.5-8 px: near the noise); linear in between.
 
     Returns:
@@ -259,8 +261,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", required=True, help="destination folder (new or empty)")
     defaults = inspect.signature(generate).parameters
     for name in ("seed", "patients", "slices", "size", "difficulty"):
-        kind = type(defaults[name].default)
-        parser.add_argument(f"--{name}", type=kind, default=defaults[name].default, help=f"default {defaults[name].default}")
+        default = defaults[name].default
+        parser.add_argument(f"--{name}", type=type(default), default=default, help=f"default {default}")
     args = vars(parser.parse_args(argv))
     manifest = generate(args.pop("out"), **args)
     print(manifest)

@@ -87,6 +87,29 @@ class AttentionRecord:
         slots = window_slot_tokens(grid, window, shift, roll_before_pad)
         return dense_window_attention(attentions[name], slots, grid[0] * grid[1])
 
+    def patch_windows(self, name: str) -> tuple[Tensor, Tensor]:
+        """Attention among patch tokens in the groups it is computed over, for per-pair statistics.
+
+        The same form for every family, without the memory of the dense Swin matrix: ViT is one group of
+        all patch tokens (prefix tokens dropped, so rows sum to 1 minus the mass on them); Swin gives its
+        raw windows, whose pairs are exactly the token pairs that interact.
+
+        Returns:
+            ``probs`` (B*G, heads, T, T) over the T slots of each of the G groups, and ``slots`` (G, T):
+            the patch-token index (row-major in ``grids[name]``) of every slot; pad slots hold H*W.
+        """
+        attentions = self.attentions
+        if name not in attentions:
+            raise KeyError(f"no attention recorded for block {name!r}; recorded: {sorted(attentions)}")
+        grid = self.grids[name]
+        geometry = self._adapter.window_geometry(self.views[name].module, grid)
+        if geometry is None:
+            prefix = self.views[name].num_prefix_tokens
+            probs = attentions[name][:, :, prefix:, prefix:]  # (B, heads, T, T)
+            return probs, torch.arange(probs.shape[-1]).unsqueeze(0)
+        window, shift, roll_before_pad = geometry
+        return attentions[name], window_slot_tokens(grid, window, shift, roll_before_pad)
+
 
 @contextmanager
 def record_attention(model: nn.Module, blocks: Optional[Union[BlockRef, Iterable[BlockRef]]] = None,

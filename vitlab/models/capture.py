@@ -176,27 +176,50 @@ def _raise_input(module: nn.Module, args: tuple) -> None:
     raise _StopForward(args[0])
 
 
-def forward_until(model: nn.Module, x: Tensor, block: Union[BlockRef, str]) -> Tensor:
-    """The residual stream after ``block``, running only the layers up to it (differentiable in ``x``).
+def forward_until(model: nn.Module, x: Tensor, block: Union[BlockRef, str], site: str = "resid") -> Tensor:
+    """The residual stream after ``block`` (or another site of it), running only the layers up to it.
+
+    Differentiable in ``x`` (for inversion and feature visualisation): later blocks, and with a
+    ``site`` before ``resid`` the rest of ``block`` itself, never run.
 
     Args:
         model: A supported model.
         x: Images (B, C, H, W).
         block: Global index, block name, or ``"embed"`` (after patch embedding, position embedding and
             class token: the input of the first block).
+        site: Where in ``block`` to stop: a :data:`CAPTURE_SITES` name (alias ``token_mixing``);
+            ``resid`` (default) is the block output. Must be ``resid`` for ``"embed"``.
 
     Returns:
-        (B, N, C) tokens, prefix tokens included (Swin's (B, H, W, C) flattened).
+        (B, N, C) tokens, prefix tokens included (Swin's (B, H, W, C) flattened); for ``mlp_hidden``
+        C is the MLP hidden width.
     """
     model = unwrap_model(model)
-    if block == "embed":
-        handle = all_blocks(model)[0].module.register_forward_pre_hook(_raise_input)
-    else:
-        handle = select_blocks(model, block)[0].module.register_forward_hook(_raise_output)
-    try:
-        model(x)
-    except _StopForward as stop:
-        return _as_tokens(stop.stream)
-    finally:
-        handle.remove()
-    raise RuntimeError(f"block {block!r} never ran in the forward of {type(model).__name__}")
+    site = _valid_sites(site)[0]
+    with ExitStack() as stack:
+        if block == "embed":
+            if site != "resid":
+                raise ValueError(f"forward_until(block='embed') has only the site 'resid', got {site!r}")
+            stack.callback(all_blocks(model)[0].module.register_forward_pre_hook(_raise_input).remove)
+        elif site == "resid":  # a plain hook keeps the library forward (fastest)
+            stack.callback(select_blocks(model, block)[0].module.register_forward_hook(_raise_output).remove)
+        else:
+            module = select_blocks(model, block)[0].module
+            adapter = get_adapter(model)
+            if site == "mlp_hidden":
+                hook = adapter.mlp_activation(module).register_forward_hook(_raise_output)
+                stack.callback(hook.remove)
+            else:
+                taps = patch_block(module, adapter).taps.setdefault(site, [])
+                stack.callback(release_block, module)
+                taps.append(_raise_stream)
+                stack.callback(taps.remove, _raise_stream)
+        try:
+            model(x)
+        except _StopForward as stop:
+            return _as_tokens(stop.stream)
+    raise RuntimeError(f"block {block!r} (site {site!r}) never ran in the forward of {type(model).__name__}")
+
+
+def _raise_stream(tensor: Tensor) -> None:
+    raise _StopForward(tensor)

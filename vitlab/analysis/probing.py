@@ -1,0 +1,130 @@
+"""Frozen-feature evaluation: k-NN and logistic-regression accuracy of features on a train/test split.
+
+Seed 001 (DINO, Table 10) judges a representation by how well a k-NN classifier and a linear classifier
+on frozen features do; applied per block, it shows at which depth the classes become separable and how
+fine-tuning moved that depth. Both use scikit-learn; features are float tensors (N, D), labels int (N,).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ProbeScore", "balanced_accuracy", "knn_probe", "linear_probe"]
+
+
+@dataclass(frozen=True)
+class ProbeScore:
+    """Accuracy of a classifier fitted on train features, evaluated on test features.
+
+    Attributes:
+        accuracy: Fraction of test samples predicted right.
+        balanced_accuracy: Mean over the classes present in the test labels of the per-class recall.
+        predictions: (M,) int64 predicted label of every test sample.
+    """
+
+    accuracy: float
+    balanced_accuracy: float
+    predictions: Tensor
+
+
+def balanced_accuracy(predictions: Tensor, labels: Tensor) -> float:
+    """Mean per-class recall over the classes present in ``labels`` (= sklearn's ``balanced_accuracy_score``).
+
+    Args:
+        predictions: (M,) predicted labels.
+        labels: (M,) true labels.
+
+    Returns:
+        The balanced accuracy in [0, 1].
+    """
+    predictions, labels = predictions.long().cpu(), labels.long().cpu()
+    recalls = [(predictions[labels == c] == c).double().mean() for c in labels.unique()]
+    return float(torch.stack(recalls).mean())
+
+
+def _check(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, fn: str) -> None:
+    if train_x.ndim != 2 or test_x.ndim != 2 or train_x.shape[1] != test_x.shape[1]:
+        raise ValueError(
+            f"{fn}: need train_x (N, D) and test_x (M, D) with the same D, got {tuple(train_x.shape)} and {tuple(test_x.shape)}"
+        )
+    if train_y.shape != (train_x.shape[0],) or test_y.shape != (test_x.shape[0],):
+        raise ValueError(
+            f"{fn}: labels must be (N,) = ({train_x.shape[0]},) and (M,) = ({test_x.shape[0]},), "
+            f"got {tuple(train_y.shape)} and {tuple(test_y.shape)}"
+        )
+    if train_x.shape[0] < 1 or test_x.shape[0] < 1:
+        raise ValueError(f"{fn}: need at least one train and one test sample, got {train_x.shape[0]} and {test_x.shape[0]}")
+
+
+def _score(predictions, test_y: Tensor) -> ProbeScore:
+    pred = torch.as_tensor(predictions, dtype=torch.int64)  # (M,)
+    labels = test_y.long().cpu()
+    return ProbeScore(float((pred == labels).double().mean()), balanced_accuracy(pred, labels), pred)
+
+
+def knn_probe(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, k: int = 20) -> ProbeScore:
+    """Majority vote of the k nearest train features by cosine similarity (DINO's k-NN evaluation, unweighted).
+
+    Ties in the vote go to the smallest label. k is capped at the number of train samples.
+
+    Args:
+        train_x: (N, D) train features.
+        train_y: (N,) integer train labels.
+        test_x: (M, D) test features.
+        test_y: (M,) integer test labels.
+        k: Neighbours.
+
+    Returns:
+        :class:`ProbeScore` on the test samples.
+    """
+    from sklearn.neighbors import KNeighborsClassifier
+
+    _check(train_x, train_y, test_x, test_y, "knn_probe")
+    if k < 1:
+        raise ValueError(f"knn_probe: k must be >= 1, got {k}")
+    knn = KNeighborsClassifier(n_neighbors=min(k, train_x.shape[0]), metric="cosine", algorithm="brute")
+    knn.fit(train_x.detach().double().cpu().numpy(), train_y.long().cpu().numpy())
+    return _score(knn.predict(test_x.detach().double().cpu().numpy()), test_y)
+
+
+def linear_probe(
+    train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, c: float = 1.0, max_iter: int = 1000
+) -> ProbeScore:
+    """L2-regularised logistic regression on standardised features (the linear evaluation of frozen features).
+
+    Features are standardised with the train mean and standard deviation, then sklearn's
+    ``LogisticRegression(C=c)`` (L-BFGS; multinomial for three classes or more, binomial for two) is fitted.
+
+    Args:
+        train_x: (N, D) train features.
+        train_y: (N,) integer train labels (at least two classes).
+        test_x: (M, D) test features.
+        test_y: (M,) integer test labels.
+        c: Inverse regularisation strength (sklearn's ``C``).
+        max_iter: L-BFGS iterations.
+
+    Returns:
+        :class:`ProbeScore` on the test samples.
+    """
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+
+    _check(train_x, train_y, test_x, test_y, "linear_probe")
+    classes = train_y.unique()
+    if classes.numel() < 2:
+        raise ValueError(f"linear_probe: the train labels hold one class only ({classes.tolist()}); need at least two")
+    if c <= 0:
+        raise ValueError(f"linear_probe: c must be > 0, got {c}")
+    train = train_x.detach().double().cpu()
+    mean, std = train.mean(0), train.std(0, correction=0)
+    std = torch.where(std > 0, std, torch.ones_like(std))  # constant features stay 0
+    model = LogisticRegression(C=c, max_iter=max_iter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # a near-separable fit stops at max_iter: fine here
+        model.fit(((train - mean) / std).numpy(), train_y.long().cpu().numpy())
+    return _score(model.predict(((test_x.detach().double().cpu() - mean) / std).numpy()), test_y)

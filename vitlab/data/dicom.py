@@ -1,0 +1,323 @@
+"""DICOM: header checks, the radiology display chain, and a fast path for uncompressed files.
+
+Display chain (pydicom 3): stored values -> ``apply_modality_lut`` (Hounsfield units for CT) ->
+window ``clip((x - (c - w/2)) / w, 0, 1)`` -> ``1 - x`` for MONOCHROME1 -> float32. Colour
+(RGB, YBR, palette) is converted to RGB and scaled by its bit depth.
+
+Fast path: the first read of a file parses its header once into a :class:`NativePlan` (where
+the pixel bytes start, their dtype, rescale and window); later reads of uncompressed
+little-endian grayscale files are a single ``np.fromfile`` of the wanted frame, with results
+identical to pydicom's decoding. Anything else (compressed, big endian, colour, modality LUT
+sequences, float pixels) always takes pydicom's decoder.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import pydicom
+from pydicom.dataset import Dataset
+from pydicom.errors import InvalidDicomError
+from pydicom.multival import MultiValue
+from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
+from pydicom.tag import Tag
+
+from vitlab.data.read_options import (
+    ImageNotFoundError,
+    ImageReadError,
+    ReadOptions,
+    frame_index,
+    min_max,
+    one_line,
+    window_values,
+)
+
+# Packages (pip names) that add a decoder for a compressed transfer syntax, by UID.
+_JPEG_LS = "`pylibjpeg-libjpeg` or `pyjpegls` or `python-gdcm`"
+_JPEG_LOSSLESS = "`pylibjpeg-libjpeg` or `python-gdcm`"
+_JPEG_2000 = "`pylibjpeg-openjpeg` or `python-gdcm` (or Pillow built with OpenJPEG)"
+DECODER_PACKAGES: dict[str, str] = {
+    "1.2.840.10008.1.2.4.50": "`pillow` or `pylibjpeg-libjpeg` or `python-gdcm`",
+    "1.2.840.10008.1.2.4.51": _JPEG_LOSSLESS,
+    "1.2.840.10008.1.2.4.57": _JPEG_LOSSLESS,
+    "1.2.840.10008.1.2.4.70": _JPEG_LOSSLESS,
+    "1.2.840.10008.1.2.4.80": _JPEG_LS,
+    "1.2.840.10008.1.2.4.81": _JPEG_LS,
+    "1.2.840.10008.1.2.4.90": _JPEG_2000,
+    "1.2.840.10008.1.2.4.91": _JPEG_2000,
+    "1.2.840.10008.1.2.4.201": "`pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.4.202": "`pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.4.203": "`pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.5": "`pylibjpeg-rle` or `python-gdcm`",
+}
+
+# The only elements decoding and display need (as tags: keyword lookups cost ~0.2 ms per file).
+_DICOM_TAGS = [Tag(keyword) for keyword in (
+    "PatientID", "Modality", "SamplesPerPixel", "PhotometricInterpretation", "PlanarConfiguration",
+    "NumberOfFrames", "Rows", "Columns", "BitsAllocated", "BitsStored", "HighBit",
+    "PixelRepresentation", "WindowCenter", "WindowWidth", "RescaleIntercept", "RescaleSlope",
+    "RescaleType", "ModalityLUTSequence", "RedPaletteColorLookupTableDescriptor",
+    "GreenPaletteColorLookupTableDescriptor", "BluePaletteColorLookupTableDescriptor",
+    "RedPaletteColorLookupTableData", "GreenPaletteColorLookupTableData",
+    "BluePaletteColorLookupTableData", "SegmentedRedPaletteColorLookupTableData",
+    "SegmentedGreenPaletteColorLookupTableData", "SegmentedBluePaletteColorLookupTableData",
+    "ExtendedOffsetTable", "ExtendedOffsetTableLengths", "FloatPixelData",
+    "DoubleFloatPixelData", "PixelData",
+)]  # fmt: skip
+_NATIVE_LITTLE_ENDIAN = {"1.2.840.10008.1.2": False, "1.2.840.10008.1.2.1": True}  # UID -> explicit VR
+_PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
+
+
+def _dicom_error(path: str | os.PathLike, exc: Exception) -> ImageReadError:
+    """One-line error for a file pydicom cannot parse."""
+    if isinstance(exc, InvalidDicomError):
+        return ImageReadError(f"{path}: not a DICOM file (no 'DICM' preamble and file meta header)")
+    return ImageReadError(f"{path}: not a readable DICOM file ({one_line(exc)})")
+
+
+def check_decodable(path: str | os.PathLike, ds: Dataset) -> None:
+    """Raise :class:`ImageReadError` when no installed plugin decodes the file's transfer syntax."""
+    syntax = ds.file_meta.get("TransferSyntaxUID") if hasattr(ds, "file_meta") else None
+    if syntax is None:
+        raise ImageReadError(f"{path}: DICOM file meta has no Transfer Syntax UID")
+    try:
+        decoder = get_decoder(syntax)
+    except NotImplementedError:
+        raise ImageReadError(f"{path}: transfer syntax {syntax.name!r} ({syntax}) is not supported") from None
+    if not decoder.is_available:
+        packages = DECODER_PACKAGES.get(str(syntax), "a pydicom decoding plugin")
+        raise ImageReadError(f"{path}: no decoder installed for {syntax.name!r}; pip install {packages}")
+
+
+class DicomHeader(NamedTuple):
+    """What one pass over a DICOM header yields (pixel data not read)."""
+
+    ds: Dataset  # the elements display needs
+    pixel_offset: int  # byte offset of the pixel data element
+    file_size: int
+    pixel_element_head: bytes  # its first 12 bytes (tag, VR, length)
+
+
+def dicom_header(path: str | os.PathLike) -> DicomHeader:
+    """Read a DICOM header (no pixel data) and check that the pixels can be decoded.
+
+    Catches from the header alone: non-DICOM files, missing pixel data, missing decoder plugins
+    and truncated uncompressed pixel data (fewer bytes left than rows x columns x frames needs).
+
+    Raises:
+        ImageReadError: The file is unusable, with the reason.
+    """
+    if not os.path.isfile(path):
+        raise ImageNotFoundError(f"{path}: file not found")
+    try:
+        with open(path, "rb") as f:
+            ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+            pixel_offset = f.tell()
+            head = f.read(12)
+            file_size = os.fstat(f.fileno()).st_size
+    except Exception as exc:  # pydicom raises many types for broken files
+        raise _dicom_error(path, exc) from None
+    if "Rows" not in ds or "Columns" not in ds or pixel_offset >= file_size:
+        raise ImageReadError(f"{path}: DICOM file has no pixel data")
+    check_decodable(path, ds)
+    if not ds.file_meta.TransferSyntaxUID.is_compressed:
+        expected = _pixel_bytes(ds)
+        if file_size - pixel_offset < expected + 8:  # + 8: the smallest element header
+            raise ImageReadError(
+                f"{path}: truncated pixel data ({file_size - pixel_offset} bytes left in the file, {expected} expected)"
+            )
+    return DicomHeader(ds, pixel_offset, file_size, head)
+
+
+def _pixel_bytes(ds: Dataset) -> int:
+    frames, samples = int(ds.get("NumberOfFrames") or 1), int(ds.get("SamplesPerPixel") or 1)
+    return (ds.Rows * ds.Columns * frames * samples * int(ds.get("BitsAllocated") or 8) + 7) // 8
+
+
+def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Dataset]:
+    """Stored values of the selected frame(s) via pydicom, and the header elements display needs.
+
+    Returns:
+        (H, W[, 3]) for one frame, (F, H, W[, 3]) for ``frames="all"``; the dataset.
+    """
+    if not os.path.isfile(path):
+        raise ImageNotFoundError(f"{path}: file not found")
+    try:
+        ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+    except Exception as exc:  # pydicom raises many types for broken files
+        raise _dicom_error(path, exc) from None
+    if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):
+        raise ImageReadError(f"{path}: DICOM file has no pixel data")
+    check_decodable(path, ds)
+    count = int(ds.get("NumberOfFrames") or 1)
+    index = frame_index(path, frames, count)
+    try:
+        stored = pixel_array(ds, index=index)
+    except Exception as exc:
+        raise ImageReadError(f"{path}: cannot decode pixel data ({one_line(exc)})") from None
+    if index is None and count == 1:
+        stored = stored[None]  # (1, H, W[, 3])
+    return stored, ds
+
+
+def _tag_window(path: str | os.PathLike, ds: Dataset, index: int) -> tuple[float, float] | None:
+    """The file's own (WindowCenter, WindowWidth) number ``index``, or None without tags."""
+    center, width = ds.get("WindowCenter"), ds.get("WindowWidth")
+    if center is None or width is None or center == "" or width == "":
+        return None
+    centers = list(center) if isinstance(center, MultiValue) else [center]
+    widths = list(width) if isinstance(width, MultiValue) else [width]
+    if index >= min(len(centers), len(widths)):
+        raise ImageReadError(f"{path}: window_index {index} out of range (the file lists {len(centers)} windows)")
+    if not float(widths[index]) > 0:
+        raise ImageReadError(f"{path}: WindowWidth {widths[index]} is not positive")
+    return float(centers[index]), float(widths[index])
+
+
+def _display(
+    values: np.ndarray, window: tuple[float, float] | None, monochrome1: bool, *, reuse: bool = False
+) -> np.ndarray:
+    """Modality values -> float32 [0, 1]: window (min-max without one), inverted for MONOCHROME1.
+
+    ``reuse`` lets a float32 ``values`` array be overwritten.
+    """
+    out = values if reuse and values.dtype == np.float32 else None
+    image = min_max(values) if window is None else window_values(values, *window, out=out)
+    return np.subtract(np.float32(1.0), image, out=image) if monochrome1 else image
+
+
+def read_dicom(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
+    """One DICOM file as float32 [0, 1] through pydicom's decoders (see the module docstring)."""
+    stored, ds = decode(path, options.frames)
+    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
+    if photometric == "PALETTE COLOR":
+        lut_bits = int(ds.RedPaletteColorLookupTableDescriptor[2])
+        return (apply_color_lut(stored, ds).astype(np.float32) / np.float32(2**lut_bits - 1)).clip(0.0, 1.0)
+    if int(ds.get("SamplesPerPixel") or 1) > 1:  # RGB; YBR was converted to RGB by pixel_array
+        max_value = 2 ** int(ds.get("BitsStored") or stored.dtype.itemsize * 8) - 1
+        return (stored.astype(np.float32) / np.float32(max_value)).clip(0.0, 1.0)
+    window = options.explicit_window or _tag_window(path, ds, options.window_index)
+    return _display(apply_modality_lut(stored, ds), window, photometric == "MONOCHROME1")
+
+
+def modality_values(path: str | os.PathLike, *, frames: str | int = "middle") -> np.ndarray:
+    """Grayscale DICOM values after the modality LUT (Hounsfield units for CT), float32.
+
+    This is :func:`vitlab.data.read_image` stopped before windowing.
+
+    Raises:
+        ImageReadError: The file is missing, unreadable or not grayscale.
+    """
+    stored, ds = decode(path, ReadOptions(frames=frames).frames)
+    if int(ds.get("SamplesPerPixel") or 1) > 1 or ds.get("PhotometricInterpretation") == "PALETTE COLOR":
+        raise ImageReadError(f"{path}: colour image has no modality values")
+    return np.asarray(apply_modality_lut(stored, ds), dtype=np.float32)
+
+
+# ---------------------------------------------------------------- fast path
+@dataclass(frozen=True)
+class NativePlan:
+    """How to read and display an uncompressed little-endian grayscale file without pydicom.
+
+    Args:
+        offset: Byte offset of the first pixel value.
+        dtype: NumPy dtype of the stored values (little endian).
+        frames: Number of frames.
+        rows: Rows per frame.
+        columns: Columns per frame.
+        unused_bits: BitsAllocated - BitsStored (shifted out as pydicom does).
+        rescale: (slope, intercept) when both tags are present (applied in float64 like pydicom).
+        window: Resolved (center, width), or None for min-max.
+        monochrome1: Invert after windowing.
+    """
+
+    offset: int
+    dtype: str
+    frames: int
+    rows: int
+    columns: int
+    unused_bits: int
+    rescale: tuple[float, float] | None
+    window: tuple[float, float] | None
+    monochrome1: bool
+
+
+def native_plan(path: str | os.PathLike, options: ReadOptions, header: DicomHeader | None = None) -> NativePlan | None:
+    """A plan when the fast path applies to this file, else None.
+
+    Args:
+        path: The file.
+        options: Read options (the window is resolved into the plan).
+        header: The file's :func:`dicom_header`, when already read.
+
+    Raises:
+        ImageReadError: The header check of :func:`dicom_header` fails.
+    """
+    ds, element_offset, file_size, head = header or dicom_header(path)
+    explicit_vr = _NATIVE_LITTLE_ENDIAN.get(str(ds.file_meta.TransferSyntaxUID))
+    if explicit_vr is None or head[:4] != _PIXEL_DATA_TAG or ds.get("ModalityLUTSequence"):
+        return None
+    bits, stored_bits = int(ds.get("BitsAllocated") or 0), int(ds.get("BitsStored") or 0)
+    photometric = str(ds.get("PhotometricInterpretation", ""))
+    if (
+        int(ds.get("SamplesPerPixel") or 1) != 1
+        or photometric not in ("MONOCHROME1", "MONOCHROME2")
+        or bits not in (8, 16, 32)
+        or not 0 < stored_bits <= bits
+    ):
+        return None
+    header_length = 12 if explicit_vr else 8
+    length = struct.unpack("<I", head[header_length - 4 : header_length])[0]
+    frames, rows, columns = int(ds.get("NumberOfFrames") or 1), int(ds.Rows), int(ds.Columns)
+    expected = frames * rows * columns * bits // 8
+    if length == 0xFFFFFFFF or length < expected or element_offset + header_length + expected > file_size:
+        return None
+    slope, intercept = ds.get("RescaleSlope"), ds.get("RescaleIntercept")
+    has_rescale = "RescaleSlope" in ds and "RescaleIntercept" in ds
+    if has_rescale and (slope is None or intercept is None):
+        return None
+    return NativePlan(
+        offset=element_offset + header_length,
+        dtype=f"<{'i' if int(ds.get('PixelRepresentation') or 0) else 'u'}{bits // 8}",
+        frames=frames,
+        rows=rows,
+        columns=columns,
+        unused_bits=bits - stored_bits,
+        rescale=(float(slope), float(intercept)) if has_rescale else None,
+        window=options.explicit_window or _tag_window(path, ds, options.window_index),
+        monochrome1=photometric == "MONOCHROME1",
+    )
+
+
+def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) -> np.ndarray:
+    """Read the selected frame(s) with one ``np.fromfile``; equal to :func:`read_dicom`'s result."""
+    index = frame_index(path, frames, plan.frames)
+    frame_values = plan.rows * plan.columns
+    dtype = np.dtype(plan.dtype)
+    count = frame_values * (plan.frames if index is None else 1)
+    offset = plan.offset + (0 if index is None else index * frame_values * dtype.itemsize)
+    try:
+        stored = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+    except OSError as exc:
+        raise ImageReadError(f"{path}: cannot read pixel data ({one_line(exc)})") from None
+    if stored.size != count:
+        raise ImageReadError(f"{path}: truncated pixel data (file changed since its header was read)")
+    shape = (plan.rows, plan.columns) if index is not None else (plan.frames, plan.rows, plan.columns)
+    stored = stored.reshape(shape)
+    if plan.unused_bits:
+        np.left_shift(stored, plan.unused_bits, out=stored)
+        np.right_shift(stored, plan.unused_bits, out=stored)
+    values = stored
+    if plan.rescale is not None:
+        slope, intercept = plan.rescale
+        # float32 is exact (hence identical to pydicom's float64) for integer rescale of small integers
+        largest = 2 ** (8 * dtype.itemsize) * abs(slope) + abs(intercept)
+        exact = slope.is_integer() and intercept.is_integer() and largest < 2**24
+        values = stored.astype(np.float32 if exact else np.float64)
+        values *= slope
+        values += intercept
+    return _display(values, plan.window, plan.monochrome1, reuse=True)
