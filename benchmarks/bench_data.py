@@ -5,8 +5,8 @@
 2. Decoded-array cache for epochs >= 2: loading the cached array vs decoding + windowing again
    (goal >= 3x), and the whole item with and without the cache.
 
-Optional: ``--learnability`` trains a small CNN on the embedded synthetic dataset at several
-difficulties (64 px, CPU) to show the task is learnable but not trivial.
+Optional: ``--learnability`` trains a small CNN and the quickstart's tiny Swin on the embedded
+synthetic dataset at several difficulties (64 px, CPU): learnable, not trivial, harder with difficulty.
 
     python benchmarks/bench_data.py [--repeats 5] [--learnability]
 """
@@ -14,6 +14,7 @@ difficulties (64 px, CPU) to show the task is learnable but not trivial.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -96,44 +97,79 @@ def bench_dataset(
     return best_per_item_ms(fns, len(paths), rounds)
 
 
-def learnability(difficulties: list[float], epochs: int) -> None:
-    """Small CNN, 64 px, default embedded dataset: train/val accuracy per difficulty."""
-    import torch.nn as nn
+def _small_cnn() -> torch.nn.Module:
+    """A detector-style CNN (global max pooling)."""
+    nn = torch.nn
 
     def block(c_in, c_out):
         return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(4, c_out), nn.GELU()]
 
+    return nn.Sequential(
+        *block(1, 16), *block(16, 16), nn.MaxPool2d(2), *block(16, 32), *block(32, 32), nn.MaxPool2d(2),
+        *block(32, 64), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(64, 2),
+    )  # fmt: skip
+
+
+def _tiny_swin() -> torch.nn.Module:
+    """The Swin of configs/quickstart.yaml, from scratch."""
+    import timm
+
+    return timm.create_model(
+        "swin_tiny_patch4_window7_224", pretrained=False, num_classes=2, in_chans=1, img_size=64,
+        patch_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.1,
+    )  # fmt: skip
+
+
+def _warmup_cosine(warm_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Learning-rate factor: linear warm-up, then cosine decay to 0."""
+
+    def factor(step: int) -> float:
+        if step < warm_steps:
+            return (step + 1) / warm_steps
+        return 0.5 * (1 + math.cos(math.pi * (step - warm_steps) / max(1, total_steps - warm_steps)))
+
+    return factor
+
+
+def learnability(difficulties: list[float], epochs: int) -> None:
+    """Val accuracy per epoch on the embedded dataset (64 px, augment=light) per difficulty and model.
+
+    CNN: Adam 1e-3, batch 16; Swin: AdamW 1e-3 (wd 0.05), batch 32; both one warm-up epoch, then cosine.
+    """
+    models = {"small CNN": (_small_cnn, 16), "tiny Swin": (_tiny_swin, 32)}
     for difficulty in difficulties:
-        torch.manual_seed(0)
-        dm = MedicalDataModule(image_size=64, batch_size=16, num_workers=0, augment="light",
-                               embedded_kwargs={"difficulty": difficulty})  # fmt: skip
-        val = dm.dataset("val")
-        x_val = torch.stack([val[i][0] for i in range(len(val))])
-        y_val = torch.tensor(val.labels)
-        net = nn.Sequential(
-            *block(1, 16), *block(16, 16), nn.MaxPool2d(2), *block(16, 32), *block(32, 32), nn.MaxPool2d(2),
-            *block(32, 64), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(64, 2),
-        )  # fmt: skip
-        optimizer = torch.optim.Adam(net.parameters(), 1e-3)
-        history, start = [], time.perf_counter()
-        for _ in range(epochs):
-            net.train()
-            for x, y in dm.train_dataloader():
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(net(x), y).backward()
-                optimizer.step()
-            net.eval()
-            with torch.no_grad():
-                history.append((net(x_val).argmax(1) == y_val).float().mean().item())
-        print(f"difficulty {difficulty:.2f}: val accuracy per epoch {' '.join(f'{a:.2f}' for a in history)}"
-              f"  ({time.perf_counter() - start:.0f} s)")  # fmt: skip
+        for name, (make, batch_size) in models.items():
+            torch.manual_seed(0)
+            dm = MedicalDataModule(image_size=64, batch_size=batch_size, num_workers=0, augment="light",
+                                   embedded_kwargs={"difficulty": difficulty})  # fmt: skip
+            val = dm.dataset("val")
+            x_val, y_val = torch.stack([val[i][0] for i in range(len(val))]), torch.tensor(val.labels)
+            net, loader = make(), dm.train_dataloader()
+            if name == "small CNN":
+                optimizer = torch.optim.Adam(net.parameters(), 1e-3)
+            else:
+                optimizer = torch.optim.AdamW(net.parameters(), 1e-3, weight_decay=0.05)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(len(loader), epochs * len(loader)))
+            history, start = [], time.perf_counter()
+            for _ in range(epochs):
+                net.train()
+                for x, y in loader:
+                    optimizer.zero_grad()
+                    torch.nn.functional.cross_entropy(net(x), y).backward()
+                    optimizer.step()
+                    schedule.step()
+                net.eval()
+                with torch.no_grad():
+                    history.append((net(x_val).argmax(1) == y_val).float().mean().item())
+            print(f"difficulty {difficulty:.2f} {name:<9}: val accuracy per epoch"
+                  f" {' '.join(f'{a:.2f}' for a in history)}  ({time.perf_counter() - start:.0f} s)")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the best counts")
     parser.add_argument("--learnability", action="store_true")
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=30, help="epochs of the learnability check")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cv2.setNumThreads(1)  # one DataLoader worker = one thread
@@ -167,7 +203,7 @@ def main() -> None:
         print("decode = read_image (pydicom decode + modality LUT + window); cache = loading that array from the")
         print("         decoded-array cache (cache=True, epochs >= 2); cached item = a training item with the cache")
         if args.learnability:
-            learnability([0.0, 0.3, 0.5], args.epochs)
+            learnability([0.0, 0.15, 0.3, 0.5], args.epochs)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,33 @@ def load_snapshot(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         except (json.JSONDecodeError, TypeError):
             meta[key] = value
     return tensors, meta
+
+
+class EpochCallback:
+    """Mixin of the Q/K/V callbacks: ``every_n_epochs`` validation, a state key per setting, run folder.
+
+    Subclasses set ``needs_tensorboard`` and call ``super().__init__(every_n_epochs)``.
+    """
+
+    needs_tensorboard = True
+
+    def __init__(self, every_n_epochs: int = 1) -> None:
+        if every_n_epochs < 1:
+            raise ValueError(f"{type(self).__name__}.every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.every_n_epochs = every_n_epochs
+        self._dir: Path | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_epochs=self.every_n_epochs)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        owner = type(self).__name__
+        check_strategy(trainer, owner)
+        if self.needs_tensorboard:
+            from vitlab.tblog import require_tensorboard
+
+            require_tensorboard(trainer, owner)
+        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it

@@ -13,15 +13,14 @@ from vitlab.analysis import drift_summary, head_grid, row_drift
 from vitlab.callbacks._state import (
     MATRICES,
     block_stage,
-    check_strategy,
+    EpochCallback,
     head_counts,
     load_snapshot,
     qkv_state,
-    snapshot_dir,
     snapshot_name,
     unwrap,
 )
-from vitlab.tblog import write_layout_once, heatmap_figure, require_tensorboard, save_safetensors, tensorboard_writer, write_csv
+from vitlab.tblog import heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
 from vitlab.tbimage import colorize, hstack_panels, vstack_panels
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
@@ -173,7 +172,7 @@ def report_drift(
     return sum_ref
 
 
-class QKVDrift(pl.Callback):
+class QKVDrift(EpochCallback, pl.Callback):
     """Logs seed 000's Q/K/V drift every epoch: against the reference (fit start) and the previous epoch.
 
     TensorBoard (no tag explosion): scalars ``drift/<metric>/<block>.<q|k|v>`` (mean over rows, vs the
@@ -190,27 +189,13 @@ class QKVDrift(pl.Callback):
     """
 
     def __init__(self, every_n_epochs: int = 1, local_maps: bool = True, write_csv: bool = True) -> None:
-        if every_n_epochs < 1:
-            raise ValueError(f"QKVDrift.every_n_epochs must be >= 1, got {every_n_epochs}")
-        self.every_n_epochs = every_n_epochs
+        super().__init__(every_n_epochs)
         self.local_maps = local_maps
         self.write_csv = write_csv
         self.reference_file: str | None = None
         self.logged_epochs: list[int] = []
-        self._dir: Path | None = None
         self._ref: dict[str, torch.Tensor] | None = None
         self._prev: dict[str, torch.Tensor] | None = None
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(every_n_epochs=self.every_n_epochs)
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_strategy(trainer, "QKVDrift")
-        require_tensorboard(trainer, "QKVDrift")
-        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
-from vitlab.callbacks._state import check_strategy, head_counts, qkv_state, snapshot_dir, snapshot_name, unwrap
+from vitlab.callbacks._state import EpochCallback, head_counts, qkv_state, snapshot_name, unwrap
 from vitlab.tblog import save_safetensors, tensorboard_writer
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class QKVSnapshot(pl.Callback):
+class QKVSnapshot(EpochCallback, pl.Callback):
     """Writes ``<run>/qkv/epoch_{k:03d}.safetensors`` with all Q/K/V weights, biases and Swin tables.
 
     ``k`` counts completed training epochs: ``epoch_000`` is the reference (the weights training
@@ -28,25 +27,18 @@ class QKVSnapshot(pl.Callback):
     """
 
     def __init__(self, every_n_epochs: int = 1, dtype: str = "fp32") -> None:
-        if every_n_epochs < 1:
-            raise ValueError(f"QKVSnapshot.every_n_epochs must be >= 1, got {every_n_epochs}")
+        super().__init__(every_n_epochs)
         if dtype not in _DTYPES:
             raise ValueError(f"QKVSnapshot.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        self.every_n_epochs = every_n_epochs
         self.dtype = dtype
         self.written: list[int] = []
-        self._dir: Path | None = None
         self._size_logged = False
+
+    needs_tensorboard = False  # it writes files; the size note goes to TensorBoard only when there is one
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_epochs=self.every_n_epochs, dtype=self.dtype)
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_strategy(trainer, "QKVSnapshot")
-        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write(trainer, pl_module, epoch=0)

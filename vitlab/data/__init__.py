@@ -14,7 +14,6 @@ from vitlab.data.io import (
     window_values,
 )
 from vitlab.data.layouts import Sample, SkippedFileWarning
-from vitlab.data.synthetic import embedded_dataset, generate
 
 __all__ = [
     "WINDOW_PRESETS",
@@ -34,3 +33,15 @@ __all__ = [
     "read_image",
     "window_values",
 ]
+
+
+def __getattr__(name: str):
+    """Load ``embedded_dataset`` and ``generate`` on first use.
+
+    Importing them eagerly would make ``python -m vitlab.data.synthetic`` load that module twice.
+    """
+    if name in ("embedded_dataset", "generate"):
+        from vitlab.data import synthetic
+
+        return getattr(synthetic, name)
+    raise AttributeError(f"module 'vitlab.data' has no attribute {name!r}")

@@ -17,7 +17,6 @@ from vitlab.data.cache import ArrayCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.io import ImageReader, ReadOptions
 from vitlab.data.layouts import SPLITS, Sample, check_files, patient_overlap, scan, split_by_patient
-from vitlab.data.synthetic import embedded_dataset
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
 
 
@@ -113,7 +112,12 @@ class MedicalDataModule(pl.LightningDataModule):
         )
         self.eval_transform = eval_transform(image_size, self.mean, self.std)
 
-        self.root = Path(root).expanduser() if root is not None else embedded_dataset(**(embedded_kwargs or {}))
+        if root is None:
+            from vitlab.data.synthetic import embedded_dataset  # lazy: see vitlab.data.__getattr__
+
+            self.root = embedded_dataset(**(embedded_kwargs or {}))
+        else:
+            self.root = Path(root).expanduser()
         layout = scan(self.root, classes=classes, on_bad_file=on_bad_file)
         self._layout = layout
         self.class_names: list[str] = layout.class_names

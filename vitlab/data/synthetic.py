@@ -8,8 +8,8 @@ through a contiguous half of the slices, so labels ``lesion`` / ``no_lesion`` ar
 balanced, and a lesion slice and its lesion-free neighbour share the same anatomy (no shortcut
 through patient appearance; a split that is not grouped by patient leaks). Lesions vary in size
 (small ones are the hard cases), edge sharpness, hypo- or hyperdensity and texture
-(homogeneous, heterogeneous, rim-enhancing); ``difficulty`` scales their contrast (0: obvious,
-1: barely above the noise). ``manifest.csv`` has ``path,label,patient_id`` and no split column,
+(homogeneous, heterogeneous, rim-enhancing); ``difficulty`` scales their contrast and size (0:
+obvious, 1: barely above the noise). ``manifest.csv`` has ``path,label,patient_id`` and no split column,
 so vitlab's patient-grouped split applies. Everything is deterministic by ``seed``.
 
 Run ``python -m vitlab.data.synthetic --out DIR`` or call :func:`generate`;
@@ -44,7 +44,7 @@ def _smooth_field(rng: np.random.Generator, shape: tuple[int, ...], sigma_px: fl
     noise = rng.standard_normal(shape)
     freqs = np.meshgrid(*[np.fft.fftfreq(n) for n in shape[:-1]], np.fft.rfftfreq(shape[-1]), indexing="ij")
     gain = np.exp(-2.0 * (np.pi * sigma_px) ** 2 * sum(f**2 for f in freqs))
-    field = np.fft.irfftn(np.fft.rfftn(noise) * gain, s=shape)
+    field = np.fft.irfftn(np.fft.rfftn(noise) * gain, s=shape, axes=tuple(range(len(shape))))
     return (field / (field.std() + 1e-12)).astype(np.float32)
 
 
@@ -53,12 +53,14 @@ def _soft(inside_distance: np.ndarray, edge_px: float) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(inside_distance / edge_px, -30, 30)))
 
 
-def _ellipse_depth(x, y, cx, cy, ax, ay, angle=0.0):
-    """Approximate signed distance (px, positive inside) to an ellipse."""
+def _ellipse_depth(
+    x: np.ndarray, y: np.ndarray, cx: float, cy: float, ax: float, ay: float, angle: float = 0.0
+) -> np.ndarray:
+    """Approximate signed distance (px, positive inside) to an ellipse, (S, S)."""
     c, s = np.cos(angle), np.sin(angle)
     u, v = (x - cx) * c + (y - cy) * s, -(x - cx) * s + (y - cy) * c
     rho = np.sqrt((u / ax) ** 2 + (v / ay) ** 2)
-    return (1.0 - rho) * min(ax, ay), rho
+    return (1.0 - rho) * min(ax, ay)
 
 
 def _patient_volume(
@@ -91,12 +93,12 @@ def _patient_volume(
     volume = np.empty(shape, dtype=np.float32)
     for k in range(slices):
         dz = (k - (slices - 1) / 2) / slices
-        body_depth, rho = _ellipse_depth(x, y, cx, cy, ax * (1 + taper * dz), ay * (1 + taper * dz), tilt)
+        body_depth = _ellipse_depth(x, y, cx, cy, ax * (1 + taper * dz), ay * (1 + taper * dz), tilt)
         body = _soft(body_depth, 0.7)
         fat = _soft(body_depth - 1.5 * px, 0.7) * (1 - _soft(body_depth - 1.5 * px - fat_px, 1.0))
         hu = 40.0 + tissue[k]
         ox, oy, oa, ob = organ
-        hu += organ_hu * _soft(_ellipse_depth(x, y, cx + ox, cy + oy, oa * ax, ob * ay, 0.3)[0], 2.0 * px)
+        hu += organ_hu * _soft(_ellipse_depth(x, y, cx + ox, cy + oy, oa * ax, ob * ay, 0.3), 2.0 * px)
         for vx, vy, vr, vhu, drift in vessels:
             vdepth = vr - np.hypot(x - cx - vx - drift[0] * k, y - cy - vy - drift[1] * k)
             hu += vhu * _soft(vdepth, 0.5)
@@ -108,8 +110,16 @@ def _patient_volume(
     return volume, has_lesion
 
 
-def _draw_lesions(rng, start, run, px, body, spine, difficulty):
-    """Random lesion parameters: position inside the body, away from the spine."""
+def _draw_lesions(
+    rng: np.random.Generator,
+    start: int,
+    run: int,
+    px: float,
+    body: tuple[float, float, float, float],
+    spine: tuple[float, float, float],
+    difficulty: float,
+) -> list[dict]:
+    """One or two lesions spanning slices ``start:start + run``: inside the body, away from the spine."""
     cx, cy, ax, ay = body
     low, high = (1 - difficulty) * np.array([150.0, 300.0]) + difficulty * np.array([10.0, 30.0])  # HU
     r_low, r_high = (1 - difficulty) * np.array([8.0, 20.0]) + difficulty * np.array([2.5, 8.0])  # px at 128
@@ -178,7 +188,7 @@ def generate(
     patients: int = 48,
     slices: int = 6,
     size: int = 128,
-    difficulty: float = 0.3,
+    difficulty: float = 0.15,
 ) -> Path:
     """Write the synthetic dataset into ``out`` (created; must be empty if it exists).
 
