@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -22,15 +21,8 @@ from vitlab.callbacks.drift import report_drift
 from vitlab.callbacks.spectra import block_spectra, report_spectra
 from vitlab.models import build_model, parameter_groups
 from vitlab.tblog import save_safetensors
+from _timing import best_of  # benchmarks/_timing.py
 
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -51,8 +43,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
 
-    train_step()  # warm-up
-    step_s = best_of(train_step, args.repeats)
+    step_s, _ = best_of(train_step, args.repeats)
 
     heads = head_counts(model)
     reference = qkv_state(model)
@@ -71,7 +62,7 @@ def main() -> None:
         def spectra() -> None:
             report_spectra(writer, block_spectra(qkv_state(model), heads), step=1, table_path=out / "spectra.csv")
 
-        costs = {name: best_of(fn, args.repeats) for name, fn in (("QKVSnapshot", snapshot), ("QKVDrift", drift), ("QKSpectra", spectra))}
+        costs = {name: best_of(fn, args.repeats, warmup=False)[0] for name, fn in (("QKVSnapshot", snapshot), ("QKVDrift", drift), ("QKSpectra", spectra))}
         writer.close()
         snap_mb = (out / snapshot_name(1)).stat().st_size / 2**20
 

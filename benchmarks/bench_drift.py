@@ -7,22 +7,12 @@ cloning those tensors (both snapshots). Run: ``python benchmarks/bench_drift.py 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from vitlab.analysis.drift import matrix_drift, row_drift
+from _timing import best_of  # benchmarks/_timing.py
 
-
-def best_of(fn, repeats: int) -> float:
-    """Smallest wall time of ``repeats`` runs (the machine is shared: the minimum is the least noisy)."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -36,9 +26,9 @@ def main() -> None:
     refs = [torch.randn(width, width, generator=g) * 0.02 for _ in range(blocks * 3)]
     curs = [r + 1e-4 * torch.randn(width, width, generator=g) for r in refs]
 
-    t_clone = best_of(lambda: [(r.clone(), c.clone()) for r, c in zip(refs, curs)], args.repeats)
-    t_rows = best_of(lambda: [row_drift(r, c) for r, c in zip(refs, curs)], args.repeats)
-    t_matrix = best_of(lambda: [matrix_drift(r, c) for r, c in zip(refs, curs)], args.repeats)
+    t_clone, _ = best_of(lambda: [(r.clone(), c.clone()) for r, c in zip(refs, curs)], args.repeats)
+    t_rows, _ = best_of(lambda: [row_drift(r, c) for r, c in zip(refs, curs)], args.repeats)
+    t_matrix, _ = best_of(lambda: [matrix_drift(r, c) for r, c in zip(refs, curs)], args.repeats)
     print(f"{blocks} blocks x Q/K/V of {width}x{width} float32, {args.threads} thread(s), best of {args.repeats}")
     print(f"  clone ref+cur      {t_clone * 1e3:8.2f} ms")
     print(f"  row_drift          {t_rows * 1e3:8.2f} ms   ratio to clone {t_rows / t_clone:5.2f}x (target <= 3x)")

@@ -16,6 +16,7 @@ import time
 import torch
 
 from vitlab.analysis.mi import gaussian_copula_mi, ksg_mi, mi_vs_distance
+from _timing import best_of  # benchmarks/_timing.py
 
 
 def planted_acts(n: int, side: int, channels: int, g: torch.Generator) -> torch.Tensor:
@@ -24,15 +25,6 @@ def planted_acts(n: int, side: int, channels: int, g: torch.Generator) -> torch.
     field = torch.randn(n, channels, side * side, generator=g, dtype=torch.float64) @ chol.T  # (N, C, T)
     return field.transpose(1, 2).contiguous().half()  # (N, T, C)
 
-
-def best_of(fn, repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def main() -> None:

@@ -10,22 +10,12 @@ Run: ``python benchmarks/bench_spectra.py [--threads N] [--dense-blocks K]``.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from vitlab.analysis.spectra import qk_spectra
+from _timing import best_of  # benchmarks/_timing.py
 
-
-def best_of(fn, repeats: int) -> tuple[float, object]:
-    """Smallest wall time of ``repeats`` runs and the last result."""
-    out = fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def dense_sym_eigvals(wq: torch.Tensor, wk: torch.Tensor, heads: int) -> list[torch.Tensor]:

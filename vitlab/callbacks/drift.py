@@ -119,7 +119,7 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True)
             cell = max(2, min(24, 160 // grids[0].shape[1]))
             panels = [colorize(g, vmin=0.0, vmax=vmax, cell=cell) for g in grids]
             panel_rows.append(hstack_panels(panels, gap=6))
-        writer.add_image(f"drift_local/{block}", vstack_panels(panel_rows, gap=6), step)
+        writer.add_image(f"drift_local/{block} (columns Q | K | V; rows cosine distance, euclidean; each heads x rows-in-head)", vstack_panels(panel_rows, gap=6), step)
 
 
 def drift_layout() -> dict[str, Any]:

@@ -74,7 +74,8 @@ def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path 
     grid = torch.full((len(spectra), max_heads), float("nan"))
     for i, s in enumerate(spectra.values()):
         grid[i, : len(s.positive_mass)] = s.positive_mass.float()
-    writer.add_image("spectra_heads/positive_mass (blocks x heads)", colorize(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, cell=12), step)
+    cell = max(12, 320 // max(grid.shape))
+    writer.add_image("spectra_heads/positive_mass (rows blocks, columns heads; blue 0 - red 1)", colorize(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, cell=cell), step)
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 
