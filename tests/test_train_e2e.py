@@ -140,3 +140,40 @@ def test_bad_input_is_one_line(tiny_dataset, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(tiny_args(tiny_dataset, tmp_path / "runs", extra=["--ckpt_path", str(tmp_path / "nope.ckpt")]))
     assert "nope.ckpt" in capsys.readouterr().err
+
+
+def test_test_split_is_evaluated_after_fit(tiny_dataset, tmp_path):
+    cli = fit(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--data.test_fraction", "0.25", "--data.val_fraction", "0.25"]))
+    assert cli.datamodule.has_test
+    acc = events(tmp_path / "runs" / "tiny" / "version_0")
+    assert {"test/acc", "test/balanced_acc", "test/f1_macro", "test/auroc"} <= set(acc.Tags()["scalars"])
+
+
+def test_optimizer_groups_layer_decay_freeze_and_schedule():
+    from vitlab.training import ClassificationModule, warmup_cosine
+
+    module = ClassificationModule(model_name=TINY_SWIN["model_name"], num_classes=3, in_chans=1, model_kwargs=TINY_SWIN["model_kwargs"],
+                                  lr=1e-3, weight_decay=0.05, layer_decay=0.5, freeze=["patch_embed"])
+    assert not any(p.requires_grad for n, p in module.model.named_parameters() if n.startswith("patch_embed"))
+
+    class FakeTrainer:
+        estimated_stepping_batches = 100
+        max_epochs = 10
+
+    module._trainer = FakeTrainer()  # configure_optimizers only reads these two
+    config = module.configure_optimizers()
+    groups = config["optimizer"].param_groups
+    trainable = {id(p) for p in module.model.parameters() if p.requires_grad}
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert sorted(grouped) == sorted(trainable)  # every trainable parameter exactly once, frozen ones absent
+    lrs = {round(g["initial_lr"] / 1e-3, 8) for g in groups}
+    assert max(lrs) == 1.0 and min(lrs) < 0.5  # the head keeps the full LR, early blocks are decayed
+    no_decay = [g for g in groups if g["weight_decay"] == 0.0]
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    skipped = [names[id(p)] for g in no_decay for p in g["params"]]
+    assert any("relative_position_bias_table" in n for n in skipped)
+    assert all(p.ndim <= 1 or "relative_position_bias_table" in names[id(p)] for g in no_decay for p in g["params"])
+    assert all(p.ndim >= 2 for g in groups if g["weight_decay"] > 0 for p in g["params"])
+    f = warmup_cosine(10, 100, 0.01)
+    assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.01 + 0.99 * 0.5) and f(100) == pytest.approx(0.01)

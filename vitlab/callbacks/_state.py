@@ -112,6 +112,12 @@ class EpochCallback:
             return
         owner = type(self).__name__
         check_strategy(trainer, owner)
+        model = unwrap(pl_module)
+        if not any(b.has_attention for b in models.blocks(model)):
+            raise ValueError(
+                f"{owner}: {models.family_name(model)} model has no attention blocks (no query/key/value); "
+                "remove the Q/K/V callbacks from trainer.callbacks for this model"
+            )
         if self.needs_tensorboard:
             from vitlab.tblog import require_tensorboard
 
