@@ -69,6 +69,7 @@ class LoadedModel:
     source: str
     build: dict[str, Any] = field(default_factory=dict)  # build_model arguments (to make a fresh copy)
     data: dict[str, Any] | None = None  # the training config's data section, when known
+    class_names: list[str] | None = None  # names of the head's outputs, when the checkpoint knows them
 
     def fresh(self, seed: int = 0) -> nn.Module:
         """An untrained model of the same architecture (for transplant / untrained baselines)."""
@@ -115,7 +116,8 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
         model = models.build_model(**build)
         models.load_weights(model, state)
-        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data)
+        names = hp.get("class_names")
+        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data, list(names) if names else None)
     if name is None:
         raise ValueError(f"no model given: use {flag}checkpoint PATH.ckpt, {flag}config RUN/config.yaml or {flag}model NAME [{flag}pretrained | {flag}weights FILE]")
     kwargs = json.loads(get("model_kwargs")) if get("model_kwargs") else {}

@@ -89,7 +89,8 @@ def run(ctx: ProbeContext) -> None:
         recipe = recipe_with(CLASS_RECIPE, blur_start=args.blur_start, jitter_from=args.jitter_from, **common)
         result = class_maximization(with_normalization(model, mean, std), classes, shape, args.target, recipe,
                                     torch.Generator().manual_seed(args.seed), ctx.device, _bar("classes"))
-        names = [f"class{c}" for c in classes]
+        known = ctx.loaded.class_names or []
+        names = [known[c] if c < len(known) else f"class{c}" for c in classes]
         _write(ctx, "class", names, result, ("logit", "probability"), rows)
     for block, units in neurons.items():
         prefix = models.select_blocks(model, block)[0].num_prefix_tokens
