@@ -200,7 +200,7 @@ class MedicalDataModule(pl.LightningDataModule):
         return MedicalImageDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
-            on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader,
+            on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
         )  # fmt: skip
 
     def _loader(self, split: str, train: bool) -> DataLoader:
