@@ -16,6 +16,15 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: threads only add contention on a shared machine (use with ``usefixtures``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """A tiny embedded-style DICOM lesion dataset (manifest path): 8 patients x 4 slices, 32 px."""

@@ -22,13 +22,7 @@ from vitlab.models.testing import tiny_model
 SIZE = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: threads only add contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _smooth_images(batch=2, channels=3, seed=0):

@@ -18,13 +18,7 @@ VIT = ["--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(VIT_KWARG
 FAST = ["--steps", "10", "--noise-draws", "2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: threads only add contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

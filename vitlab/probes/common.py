@@ -113,6 +113,9 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
                 return LoadedModel(_prepare(model, hp.get("ablate"), device), str(build["name"]), f"{config} (untrained: no checkpoints/last.ckpt beside it)", build, data)
     if checkpoint is not None:
         hp, state = _lightning_hparams(Path(checkpoint))
+        run_config = Path(checkpoint).resolve().parent.parent / "config.yaml"  # runs/<name>/<version>/checkpoints/x.ckpt
+        if data is None and Path(checkpoint).resolve().parent.name == "checkpoints" and run_config.is_file():
+            data = _read_config(run_config).get("data") or {}  # images default to the run's own data
         build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
         model = models.build_model(**build)
         models.load_weights(model, state)
