@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "attention": "vitlab.probes.attention",
     "spectra": "vitlab.probes.spectra",
     "features": "vitlab.probes.features",
+    "claims": "vitlab.probes.claims",
 }
 
 
