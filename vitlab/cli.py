@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+from pytorch_lightning.utilities.model_helpers import is_overridden
 
 from vitlab.data import MedicalDataModule
 from vitlab.training import ClassificationModule
@@ -53,9 +54,10 @@ class VitlabCLI(LightningCLI):
                 "last_checkpoint.save_on_train_epoch_end": True,
             }
         )
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.in_chans", "model.in_chans", apply_on="instantiate")
-        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        model = "model.init_args" if self.subclass_mode_model else "model"  # a task given as model.class_path
+        parser.link_arguments("data.num_classes", f"{model}.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.in_chans", f"{model}.in_chans", apply_on="instantiate")
+        parser.link_arguments("data.class_names", f"{model}.class_names", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         ckpt_path = self.config.get("ckpt_path")
@@ -104,9 +106,11 @@ def _report(trainer) -> None:
 
 def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data)."""
+    task = _task_in_config(args)  # a config with model.class_path picks the task's LightningModule (e.g. DINO)
     cli = VitlabCLI(
-        ClassificationModule,
+        None if task else ClassificationModule,
         MedicalDataModule,
+        subclass_mode_model=task,
         run=False,
         trainer_defaults=_trainer_defaults(),
         seed_everything_default=0,
@@ -115,12 +119,28 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
         args=args,
     )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-    if getattr(cli.datamodule, "has_test", False) and not cli.trainer.interrupted:
+    has_test_step = is_overridden("test_step", cli.model)
+    if getattr(cli.datamodule, "has_test", False) and has_test_step and not cli.trainer.interrupted:
         best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path
         cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best" if best else None)
     if cli.trainer.is_global_zero:
         _report(cli.trainer)
     return cli
+
+
+def _task_in_config(args: list[str] | dict[str, Any] | None) -> bool:
+    """True when a ``--config`` file (or a dict config) gives ``model`` as ``class_path`` + ``init_args``."""
+    import yaml
+
+    if isinstance(args, dict):
+        return isinstance(args.get("model"), dict) and "class_path" in args["model"]
+    argv = list(sys.argv[1:] if args is None else args)
+    for flag, value in zip(argv, argv[1:]):
+        if flag in ("--config", "-c") and Path(value).is_file():
+            model = (yaml.safe_load(Path(value).read_text()) or {}).get("model")
+            if isinstance(model, dict) and "class_path" in model:
+                return True
+    return False
 
 
 def train_main(args: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ Every formula of SPEC §3-§6 lives here once; callbacks and probes gather tenso
 
 from vitlab.analysis.drift import ROW_METRICS, drift_summary, head_grid, matrix_drift, row_drift
 from vitlab.analysis.moments import Moments, central_moments, merge_moments
-from vitlab.analysis.probing import ProbeScore, balanced_accuracy, knn_probe, linear_probe
+from vitlab.analysis.probing import ProbeScore, balanced_accuracy, knn_probe, linear_probe, weighted_knn
 from vitlab.analysis.mi import (
     MIDistanceCurves,
     binned_mi,
@@ -27,6 +27,7 @@ __all__ = [
     "balanced_accuracy",
     "knn_probe",
     "linear_probe",
+    "weighted_knn",
     "ROW_METRICS",
     "row_drift",
     "matrix_drift",

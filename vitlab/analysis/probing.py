@@ -128,3 +128,26 @@ def linear_probe(
         warnings.simplefilter("ignore", ConvergenceWarning)  # a near-separable fit stops at max_iter: fine here
         model.fit(((train - mean) / std).numpy(), train_y.long().cpu().numpy())
     return _score(model.predict(((test_x.detach().double().cpu() - mean) / std).numpy()), test_y)
+
+
+def weighted_knn(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, k: int = 20, temperature: float = 0.07) -> ProbeScore:
+    """DINO's ``eval_knn`` (SPEC §9): L2-normalised features, the k train features of highest cosine similarity
+    vote for their label with weight exp(sim / temperature); the class with the largest summed weight wins
+    (ties: smallest label). k is capped at the number of train samples.
+
+    Args:
+        train_x: (N, D) train features.  train_y: (N,) integer labels.
+        test_x: (M, D) test features.  test_y: (M,) integer labels.
+        k: Neighbours (DINO: 20).  temperature: Vote temperature (DINO: 0.07).
+    """
+    _check(train_x, train_y, test_x, test_y, "weighted_knn")
+    if k < 1 or temperature <= 0:
+        raise ValueError(f"weighted_knn: need k >= 1 and temperature > 0, got k={k}, temperature={temperature}")
+    train = torch.nn.functional.normalize(train_x.detach().double().cpu(), dim=1)  # (N, D)
+    test = torch.nn.functional.normalize(test_x.detach().double().cpu(), dim=1)  # (M, D)
+    labels = train_y.long().cpu()
+    sim, idx = (test @ train.T).topk(min(k, train.shape[0]), dim=1)  # (M, k)
+    classes = int(max(labels.max(), test_y.long().max())) + 1
+    votes = torch.zeros(test.shape[0], classes, dtype=torch.float64)
+    votes.scatter_add_(1, labels[idx], (sim / temperature).exp())
+    return _score(votes.argmax(dim=1), test_y)

@@ -24,12 +24,16 @@ from vitlab.models.anatomy import (
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
 from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
+from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
 from vitlab.models.weights import LoadReport, WeightsMismatchError, load_weights, read_state_dict
 
 __all__ = [
     "AttentionRecord",
+    "drop_classifier",
+    "feature_dim",
+    "pooled_features",
     "BlockView",
     "CAPTURE_SITES",
     "Capture",

@@ -1,0 +1,201 @@
+"""LightningModule for DINO self-supervised pretraining (seed 001; SPEC §9), labels ignored for training."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightly.loss import DINOLoss
+from lightly.models.modules import DINOProjectionHead
+from lightly.models.utils import deactivate_requires_grad, update_momentum
+from lightly.utils.scheduler import cosine_schedule
+
+from vitlab import models
+from vitlab.analysis import weighted_knn
+from vitlab.data.multicrop import MultiCrop
+from vitlab.training.module import warmup_cosine
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) along the last dimension of probabilities ``p``."""
+    return -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
+
+
+class DINOModule(pl.LightningModule):
+    """DINO: a student (``self.model`` backbone + ``self.head``) learns to match an EMA teacher
+    (``self.teacher_model`` + ``self.teacher_head``) across multi-crop views; labels are ignored for training.
+
+    The Q/K/V callbacks see the student backbone (``module.model``). Loss, centring and the teacher temperature
+    come from ``lightly.loss.DINOLoss``; projection heads from ``lightly``'s ``DINOProjectionHead``; the teacher
+    follows ``update_momentum`` with λ on a cosine schedule ``momentum_start -> momentum_end`` over the run.
+    Logged: ``train/loss``, ``dino/teacher_entropy_mean`` (entropy of the batch-mean teacher distribution:
+    near log K = uniform collapse), ``dino/teacher_entropy`` (mean per-sample entropy: near 0 = one-hot
+    collapse), ``dino/center_norm``, ``dino/teacher_temp``, ``dino/momentum``, and every ``knn_every_n_epochs``
+    ``val/knn_acc`` / ``val/knn_balanced_acc``: DINO's weighted k-NN on the teacher's pooled features
+    (train split without augmentation -> val split), when the data has labels.
+
+    Args:
+        model_name / model_kwargs / pretrained / weights / in_chans: the backbone, as in ClassificationModule.
+        num_classes / class_names: linked from the data (used by the k-NN evaluation only).
+        out_dim / hidden_dim / bottleneck_dim: projection head (K prototypes).
+        local_crops / global_size / local_size / global_scale / local_scale / contrast / noise: multi-crop.
+        student_temp / teacher_temp / warmup_teacher_temp / warmup_teacher_temp_epochs / center_momentum: loss.
+        momentum_start / momentum_end: teacher EMA schedule.  freeze_last_layer: epochs with a frozen last head layer.
+        lr / weight_decay / warmup_epochs / min_lr_ratio: AdamW with warm-up + cosine, as ClassificationModule.
+        knn_every_n_epochs / knn_k / knn_temperature: k-NN evaluation (0 = off).
+    """
+
+    def __init__(
+        self,
+        model_name: str = "swin_tiny_patch4_window7_224",
+        num_classes: int = 2,
+        in_chans: int = 1,
+        pretrained: bool = False,
+        weights: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        class_names: list[str] | None = None,
+        out_dim: int = 1024,
+        hidden_dim: int = 256,
+        bottleneck_dim: int = 64,
+        local_crops: int = 4,
+        global_size: int | None = None,
+        local_size: int | None = None,
+        global_scale: tuple[float, float] = (0.4, 1.0),
+        local_scale: tuple[float, float] = (0.1, 0.4),
+        contrast: float = 0.3,
+        noise: float = 0.05,
+        student_temp: float = 0.1,
+        teacher_temp: float = 0.07,
+        warmup_teacher_temp: float = 0.04,
+        warmup_teacher_temp_epochs: int = 10,
+        center_momentum: float = 0.9,
+        momentum_start: float = 0.996,
+        momentum_end: float = 1.0,
+        freeze_last_layer: int = 1,
+        lr: float = 5e-4,
+        weight_decay: float = 0.04,
+        warmup_epochs: float = 1.0,
+        min_lr_ratio: float = 0.01,
+        knn_every_n_epochs: int = 1,
+        knn_k: int = 20,
+        knn_temperature: float = 0.07,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= momentum_start <= momentum_end <= 1.0:
+            raise ValueError(f"model.momentum_start / momentum_end must satisfy 0 <= start <= end <= 1, got {momentum_start}, {momentum_end}")
+        if warmup_teacher_temp_epochs < 1:
+            raise ValueError(f"model.warmup_teacher_temp_epochs must be >= 1, got {warmup_teacher_temp_epochs}")
+        self.save_hyperparameters(logger=False)
+        kwargs = dict(model_kwargs or {})
+        self.model = models.build_model(model_name, num_classes=max(num_classes, 2), in_chans=in_chans, pretrained=pretrained, weights=weights, **kwargs)
+        models.drop_classifier(self.model)
+        dim = models.feature_dim(self.model)
+        self.head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim, freeze_last_layer=freeze_last_layer)
+        self.teacher_model = copy.deepcopy(self.model)
+        self.teacher_head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim)
+        self.teacher_head.load_state_dict(self.head.state_dict())
+        deactivate_requires_grad(self.teacher_model)
+        deactivate_requires_grad(self.teacher_head)
+        self.criterion = DINOLoss(output_dim=out_dim, warmup_teacher_temp=warmup_teacher_temp, teacher_temp=teacher_temp,
+                                  warmup_teacher_temp_epochs=warmup_teacher_temp_epochs, student_temp=student_temp,
+                                  center_momentum=center_momentum)  # its ``center`` buffer is in the checkpoint
+        size = global_size or models.input_size(self.model)[1]
+        self.multicrop = MultiCrop(global_size=size, local_size=local_size or max(size // 2, 8), local_crops=local_crops,
+                                   global_scale=tuple(global_scale), local_scale=tuple(local_scale), contrast=contrast, noise=noise)
+        self._val_features: list[torch.Tensor] = []
+        self._val_labels: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, D) student features
+        return models.pooled_features(self.model, images)
+
+    def teacher_temp(self) -> float:
+        h = self.hparams
+        epoch = self.current_epoch
+        if epoch >= h.warmup_teacher_temp_epochs:
+            return h.teacher_temp
+        return h.warmup_teacher_temp + (h.teacher_temp - h.warmup_teacher_temp) * epoch / h.warmup_teacher_temp_epochs
+
+    def momentum(self) -> float:
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        return cosine_schedule(min(self.global_step, total), total, self.hparams.momentum_start, self.hparams.momentum_end)
+
+    def dino_outputs(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(teacher outputs of the 2 global views, student outputs of all views), each (B, K)."""
+        with torch.no_grad():
+            teacher = [self.teacher_head(models.pooled_features(self.teacher_model, v)) for v in views[:2]]
+        student = [self.head(models.pooled_features(self.model, v)) for v in views]
+        return teacher, student
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch  # labels ignored
+        views = self.multicrop(images)
+        teacher, student = self.dino_outputs(views)
+        temp = self.teacher_temp()
+        with torch.no_grad():
+            center = self.criterion.center.detach().clone()
+            probs = torch.softmax((torch.stack(teacher) - center) / temp, dim=-1)  # (2, B, K)
+        loss = self.criterion(teacher, student, teacher_temp=temp)
+        n = len(images)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=n)
+        self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n)
+        self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n)
+        self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n)
+        self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n)
+        return loss
+
+    def on_after_backward(self) -> None:
+        self.head.cancel_last_layer_gradients(self.current_epoch)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        m = self.momentum()
+        update_momentum(self.model, self.teacher_model, m)
+        update_momentum(self.head, self.teacher_head, m)
+        self.log("dino/momentum", m, on_step=False, on_epoch=True)
+
+    def _knn_due(self) -> bool:
+        every = self.hparams.knn_every_n_epochs
+        return bool(every) and not self.trainer.sanity_checking and (self.current_epoch + 1) % every == 0
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        if not self._knn_due() or not isinstance(batch, (tuple, list)):
+            return
+        images, labels = batch
+        self._val_features.append(models.pooled_features(self.teacher_model, images).float().cpu())
+        self._val_labels.append(labels.cpu())
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val_features:
+            return
+        val_x, val_y = torch.cat(self._val_features), torch.cat(self._val_labels)
+        self._val_features, self._val_labels = [], []
+        train_x, train_y = self.train_bank()
+        score = weighted_knn(train_x, train_y, val_x, val_y, k=self.hparams.knn_k, temperature=self.hparams.knn_temperature)
+        self.log_dict({"val/knn_acc": score.accuracy, "val/knn_balanced_acc": score.balanced_accuracy}, rank_zero_only=True)
+
+    @torch.no_grad()
+    def train_bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher features of the train split without augmentation (the k-NN memory bank)."""
+        dm = self.trainer.datamodule
+        loader = torch.utils.data.DataLoader(dm.dataset("train", augmented=False), batch_size=getattr(dm, "batch_size", 32))
+        feats, labels = [], []
+        for images, y in loader:
+            feats.append(models.pooled_features(self.teacher_model, images.to(self.device)).float().cpu())
+            labels.append(y)
+        return torch.cat(feats), torch.cat(labels)
+
+    def configure_optimizers(self):
+        groups = models.parameter_groups(self.model, weight_decay=self.hparams.weight_decay)
+        head_params = [p for p in self.head.parameters() if p.requires_grad]
+        groups.append({"params": [p for p in head_params if p.ndim > 1], "weight_decay": self.hparams.weight_decay})
+        groups.append({"params": [p for p in head_params if p.ndim <= 1], "weight_decay": 0.0})
+        for group in groups:
+            group["lr"] = self.hparams.lr * group.pop("lr_scale", 1.0)
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr)
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        steps_per_epoch = max(total_steps // max(self.trainer.max_epochs or 1, 1), 1)
+        warmup_steps = min(int(round(self.hparams.warmup_epochs * steps_per_epoch)), total_steps - 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup_steps, total_steps, self.hparams.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
