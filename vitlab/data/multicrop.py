@@ -32,6 +32,7 @@ class MultiCrop:
         noise: Standard deviation of additive Gaussian noise (normalised units), drawn per view from [0, noise].
         blur_sigma: Range of the Gaussian blur sigma in pixels of the view.
         flip: Random horizontal flips.
+        ratio: Range of the crop aspect ratio (width / height), sampled log-uniformly.
     """
 
     global_size: int = 64
@@ -43,9 +44,10 @@ class MultiCrop:
     noise: float = 0.05
     blur_sigma: tuple[float, float] = (0.1, 1.5)
     flip: bool = True
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
     def __post_init__(self) -> None:
-        for name in ("global_scale", "local_scale", "blur_sigma"):
+        for name in ("global_scale", "local_scale", "blur_sigma", "ratio"):
             lo, hi = getattr(self, name)
             if not 0 < lo <= hi:
                 raise ValueError(f"MultiCrop.{name} must be (low, high) with 0 < low <= high, got {(lo, hi)}")
@@ -59,9 +61,9 @@ class MultiCrop:
         return [self.global_size] * 2 + [self.local_size] * self.local_crops
 
     def boxes(self, batch: int, height: int, width: int, scale: tuple[float, float], generator=None, device=None) -> Tensor:
-        """(B, 4) crop boxes x0, y0, x1, y1 in pixels: area fraction ~ U(scale), aspect ratio log-uniform in [3/4, 4/3]."""
+        """(B, 4) crop boxes x0, y0, x1, y1 in pixels: area fraction ~ U(scale), aspect ratio log-uniform in ``ratio``."""
         area = torch.empty(batch, device=device).uniform_(*scale, generator=generator) * height * width
-        log_ratio = torch.empty(batch, device=device).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)
+        log_ratio = torch.empty(batch, device=device).uniform_(math.log(self.ratio[0]), math.log(self.ratio[1]), generator=generator)
         w = (area * log_ratio.exp()).sqrt().clamp(1.0, width)
         h = (area / log_ratio.exp()).sqrt().clamp(1.0, height)
         x0 = torch.rand(batch, device=device, generator=generator) * (width - w)

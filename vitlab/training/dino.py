@@ -24,6 +24,13 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
     return -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
 
 
+def teacher_temperature(epoch: int, start: float, end: float, warmup_epochs: int) -> float:
+    """DINO's teacher temperature: linear from ``start`` at epoch 0 to ``end`` at ``warmup_epochs``, then ``end``."""
+    if epoch >= warmup_epochs:
+        return end
+    return start + (end - start) * epoch / warmup_epochs
+
+
 class DINOModule(pl.LightningModule):
     """DINO: a student (``self.model`` backbone + ``self.head``) learns to match an EMA teacher
     (``self.teacher_model`` + ``self.teacher_head``) across multi-crop views; labels are ignored for training.
@@ -113,10 +120,7 @@ class DINOModule(pl.LightningModule):
 
     def teacher_temp(self) -> float:
         h = self.hparams
-        epoch = self.current_epoch
-        if epoch >= h.warmup_teacher_temp_epochs:
-            return h.teacher_temp
-        return h.warmup_teacher_temp + (h.teacher_temp - h.warmup_teacher_temp) * epoch / h.warmup_teacher_temp_epochs
+        return teacher_temperature(self.current_epoch, h.warmup_teacher_temp, h.teacher_temp, h.warmup_teacher_temp_epochs)
 
     def momentum(self) -> float:
         total = max(int(self.trainer.estimated_stepping_batches), 1)

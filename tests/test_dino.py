@@ -1,0 +1,173 @@
+"""DINO (SPEC §9): loss against its definition, centring, temperatures, stop-gradient, EMA, multi-crop, k-NN, e2e."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytest.importorskip("lightly")
+
+from vitlab.analysis import weighted_knn  # noqa: E402
+from vitlab.data.multicrop import MultiCrop  # noqa: E402
+from vitlab.training.dino import DINOModule, entropy, teacher_temperature  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = dict(model_name="vit_tiny_patch16_224", model_kwargs=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, dynamic_img_size=True),
+            out_dim=64, hidden_dim=32, bottleneck_dim=16, local_crops=2, local_size=16)
+
+
+def definition_loss(teacher, student, center, t_temp, s_temp):
+    """SPEC §9 written out: mean over pairs (global x, any x' != x) of -sum_k P_t(x)_k log P_s(x')_k, batch mean."""
+    terms = []
+    for i, t in enumerate(teacher):
+        p_t = torch.softmax((t - center) / t_temp, dim=-1)
+        for j, s in enumerate(student):
+            if i == j:
+                continue
+            terms.append(-(p_t * torch.log_softmax(s / s_temp, dim=-1)).sum(-1).mean())
+    return torch.stack(terms).mean()
+
+
+def test_loss_matches_definition_and_updates_centre():
+    torch.manual_seed(0)
+    module = DINOModule(**TINY, student_temp=0.1, center_momentum=0.8)
+    crit = module.criterion
+    center = torch.randn(1, 1, 64)
+    crit.center.copy_(center)
+    teacher = [torch.randn(5, 64) for _ in range(2)]
+    student = [torch.randn(5, 64) for _ in range(4)]
+    loss = crit(teacher, student, teacher_temp=0.05)
+    expected = definition_loss(teacher, student, center[0, 0], 0.05, 0.1)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    with_diagonal = torch.stack([-(torch.softmax((t - center[0, 0]) / 0.05, -1) * torch.log_softmax(s / 0.1, -1)).sum(-1).mean()
+                                 for t in teacher for s in student]).mean()
+    assert abs(float(with_diagonal) - float(expected)) > 1e-3  # the identical-view pairs would change it
+    batch_mean = torch.stack(teacher).mean(dim=(0, 1))
+    assert torch.allclose(crit.center[0, 0], 0.8 * center[0, 0] + 0.2 * batch_mean, atol=1e-6)
+
+
+def test_teacher_temperature_warmup_and_entropy():
+    assert [teacher_temperature(e, 0.04, 0.07, 3) for e in range(5)] == pytest.approx([0.04, 0.05, 0.06, 0.07, 0.07])
+    assert float(entropy(torch.full((8,), 1 / 8))) == pytest.approx(math.log(8))
+    assert float(entropy(torch.eye(4)[0])) == pytest.approx(0.0)
+
+
+class _Trainer:
+    estimated_stepping_batches = 100
+    global_step = 0
+
+
+def test_stop_gradient_and_ema_update():
+    torch.manual_seed(1)
+    module = DINOModule(**TINY, momentum_start=0.9, momentum_end=1.0, freeze_last_layer=0)
+    module._trainer = _Trainer()  # momentum() reads the run length
+    with torch.no_grad():  # teacher differs from student, so the EMA is visible
+        for p in module.teacher_model.parameters():
+            p.add_(torch.randn_like(p))
+    images = torch.randn(4, 1, 32, 32)
+    teacher_out, student_out = module.dino_outputs(module.multicrop(images))
+    assert not any(t.requires_grad for t in teacher_out) and all(s.requires_grad for s in student_out)
+    loss = module.criterion(teacher_out, student_out, teacher_temp=0.04)
+    loss.backward()
+    assert all(p.grad is None and not p.requires_grad for p in [*module.teacher_model.parameters(), *module.teacher_head.parameters()])
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.model.parameters())
+    student = [p.detach().clone() for p in module.model.parameters()]
+    teacher = [p.detach().clone() for p in module.teacher_model.parameters()]
+    m = module.momentum()
+    assert m == pytest.approx(0.9)  # cosine schedule at step 0
+    from lightly.models.utils import update_momentum
+
+    update_momentum(module.model, module.teacher_model, m)
+    for t0, s0, t1 in zip(teacher, student, module.teacher_model.parameters()):
+        assert torch.allclose(t1, m * t0 + (1 - m) * s0, atol=1e-6)
+
+
+def test_multicrop_view_sizes_and_boxes():
+    crop = MultiCrop(global_size=32, local_size=12, local_crops=3, global_scale=(0.4, 1.0), local_scale=(0.1, 0.3))
+    images = torch.randn(6, 1, 40, 48)
+    views = crop(images, generator=torch.Generator().manual_seed(0))
+    assert [tuple(v.shape) for v in views] == [(6, 1, 32, 32)] * 2 + [(6, 1, 12, 12)] * 3
+    boxes = crop.boxes(1000, 40, 48, (0.1, 0.3), generator=torch.Generator().manual_seed(1))
+    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) / (40 * 48)
+    assert (boxes[:, 0] >= 0).all() and (boxes[:, 2] <= 48 + 1e-4).all() and (boxes[:, 3] <= 40 + 1e-4).all()
+    assert area.min() >= 0.1 - 1e-4 and area.max() <= 0.3 + 1e-4
+    plain = MultiCrop(global_size=40, local_crops=0, global_scale=(1.0, 1.0), contrast=0.0, noise=0.0, blur_sigma=(0.1, 0.1), flip=False, ratio=(1.0, 1.0))
+    ramp = torch.arange(40.0).repeat(40, 1)[None, None]  # a full-image crop at the same size is the identity
+    same = plain.view(ramp, 40, (1.0, 1.0), 0.0)  # (bilinear samples clamp at the outermost pixels)
+    assert torch.allclose(same[..., 1:-1], ramp[..., 1:-1], atol=1e-4)
+    with pytest.raises(ValueError, match="global_scale"):
+        MultiCrop(global_scale=(0.0, 1.0))
+
+
+def test_weighted_knn_against_loop():
+    g = torch.Generator().manual_seed(2)
+    train_x, test_x = torch.randn(30, 5, generator=g), torch.randn(7, 5, generator=g)
+    train_y, test_y = torch.randint(0, 3, (30,), generator=g), torch.randint(0, 3, (7,), generator=g)
+    score = weighted_knn(train_x, train_y, test_x, test_y, k=5, temperature=0.07)
+    for i in range(7):
+        sims = torch.nn.functional.cosine_similarity(test_x[i][None].double(), train_x.double())
+        top = sims.argsort(descending=True)[:5]
+        votes = torch.zeros(3, dtype=torch.float64)
+        for j in top:
+            votes[train_y[j]] += math.exp(float(sims[j]) / 0.07)
+        assert int(score.predictions[i]) == int(votes.argmax())
+    centres = torch.eye(2) * 5
+    x = torch.cat([centres[0] + 0.3 * torch.randn(20, 2, generator=g), centres[1] + 0.3 * torch.randn(20, 2, generator=g)])
+    y = torch.arange(2).repeat_interleave(20)
+    assert weighted_knn(x[::2], y[::2], x[1::2], y[1::2]).accuracy == 1.0
+
+
+def dino_config(manifest, save_dir, epochs=2):
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"max_epochs": epochs, "accelerator": "cpu", "devices": 1, "log_every_n_steps": 1, "enable_progress_bar": False,
+                    "enable_model_summary": False,
+                    "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": str(save_dir), "name": "dino", "default_hp_metric": False}},
+                    "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
+                                  {"class_path": "vitlab.callbacks.QKSpectra"}]},
+        "checkpoint": {"monitor": "val/knn_acc"},
+        "model": {"class_path": "vitlab.training.DINOModule", "init_args": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2}},
+        "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "num_workers": 0, "augment": "none", "val_fraction": 0.25},
+    }
+    path = save_dir / "dino.yaml"
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
+    from vitlab.callbacks._state import load_snapshot
+    from vitlab.cli import fit
+
+    cfg = dino_config(tiny_dataset, tmp_path / "runs", epochs=1)
+    cli = fit(["--config", str(cfg)])
+    run = tmp_path / "runs" / "dino" / "version_0"
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss_epoch", "dino/teacher_entropy", "dino/teacher_entropy_mean", "dino/center_norm", "val/knn_acc"):
+        assert tag in tags, tag
+    assert 0.0 <= acc.Scalars("val/knn_acc")[0].value <= 1.0
+    assert any(t.startswith("drift/") for t in tags) and any(t.startswith("spectra/") for t in tags)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = ckpt["state_dict"]
+    assert any(k.startswith("teacher_model.") for k in state) and "criterion.center" in state
+    assert not any(k.startswith("model.head.") and k.endswith("weight") and state[k].ndim == 2 and state[k].shape[0] == 2 for k in state)
+    snap, meta = load_snapshot(run / "qkv" / "epoch_001.safetensors")  # the callbacks saw the student backbone
+    from vitlab.callbacks._state import qkv_state
+
+    live = qkv_state(cli.model.model)
+    assert all(torch.equal(snap[k], live[k]) for k in live)
+    # resume: same run folder, teacher and centre restored, the epoch count continues
+    cfg2 = dino_config(tiny_dataset, tmp_path / "runs", epochs=2)
+    cli2 = fit(["--config", str(cfg2), "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
+    assert not (tmp_path / "runs" / "dino" / "version_1").exists()
+    assert (run / "qkv" / "epoch_002.safetensors").is_file()
+    assert cli2.trainer.current_epoch == 2
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("val/knn_acc")][-1] > [e.step for e in acc.Scalars("val/knn_acc")][0]
