@@ -10,7 +10,7 @@ import pytest
 from vitlab.cli import fit, train_main
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart"))]
+SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c.stem != "quickstart_pretrained"]
 
 
 def test_all_configs_listed():
@@ -54,3 +54,15 @@ def test_pretrained_offline_fails_fast_with_a_way_forward(config, tiny_dataset, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "model.weights" in err[0] and "pretrained: false" in err[0]
+
+
+def test_pretrained_quickstart_without_its_pretraining_names_the_command(tiny_dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parent.parent)  # the config's relative runs/ path and configs/ folder
+    weights = Path("runs/dino_pretrain/version_0/checkpoints/last.ckpt")
+    if weights.exists():
+        pytest.skip("a dino_pretrain run exists in this checkout")
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--config", "configs/quickstart_pretrained.yaml", "--data.root", str(tiny_dataset), "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python train.py --config configs/dino_pretrain.yaml" in err[0]

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 from torch import nn
 
 from vitlab.models.adapter import UnsupportedModelError, get_adapter, supported_families, unwrap_model
-from vitlab.models.weights import load_weights
+from vitlab.models.weights import _maker_hint, load_weights
 
 __all__ = [
     "ChannelRepeatConv2d",
@@ -282,7 +282,7 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
     if weights is not None:
         weights = Path(weights).expanduser()
         if not weights.is_file():
-            raise FileNotFoundError(f"weights file not found: {weights} (model.weights must be an existing file)")
+            raise FileNotFoundError(f"weights file not found: {weights} (model.weights must be an existing file){_maker_hint(weights)}")
         pretrained = False
     if library == "timm":
         model = _build_timm(name, arch, num_classes, in_chans, pretrained, dict(kwargs))

@@ -54,7 +54,7 @@ def read_state_dict(path: Union[str, Path]) -> dict[str, Tensor]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path} (model.weights must point to an existing "
-                                f"{'/'.join(WEIGHT_SUFFIXES)} file)")
+                                f"{'/'.join(WEIGHT_SUFFIXES)} file){_maker_hint(path)}")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -66,6 +66,16 @@ def read_state_dict(path: Union[str, Path]) -> dict[str, Tensor]:
         raise ValueError(f"cannot read weights file {path}: {type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''}") from error
     return _unwrap_container(content, str(path))
+
+
+def _maker_hint(path: Path) -> str:
+    """For ``runs/<name>/<version>/checkpoints/x.ckpt`` with a ``configs/<name>.yaml`` here: the command that makes it."""
+    parts = path.parts
+    if len(parts) >= 4 and parts[-2] == "checkpoints":
+        config = Path("configs") / f"{parts[-4]}.yaml"
+        if config.is_file():
+            return f"; make it first with: python train.py --config {config}"
+    return ""
 
 
 def _unwrap_container(content, source: str) -> dict[str, Tensor]:
