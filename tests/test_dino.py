@@ -171,3 +171,29 @@ def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
     assert cli2.trainer.current_epoch == 2
     acc.Reload()
     assert [e.step for e in acc.Scalars("val/knn_acc")][-1] > [e.step for e in acc.Scalars("val/knn_acc")][0]
+
+
+def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_dataset, tmp_path, capsys):
+    from vitlab.callbacks._state import load_snapshot
+    from vitlab.cli import fit, train_main
+    from tests.test_train_e2e import tiny_args
+
+    fit(["--config", str(dino_config(tiny_dataset, tmp_path / "runs", epochs=1))])
+    dino_run = tmp_path / "runs" / "dino" / "version_0"
+    ckpt = dino_run / "checkpoints" / "last.ckpt"
+    vit = {"model_name": TINY["model_name"], "model_kwargs": TINY["model_kwargs"], "weights": str(ckpt)}
+    args = tiny_args(tiny_dataset, tmp_path / "ft", epochs=1)
+    cfg = yaml.safe_load(open(args[1]))
+    cfg["model"].update(vit)
+    open(args[1], "w").write(yaml.safe_dump(cfg))
+    fit(args)
+    pretrained, _ = load_snapshot(dino_run / "qkv" / "epoch_001.safetensors")
+    start, _ = load_snapshot(tmp_path / "ft" / "tiny" / "version_0" / "qkv" / "epoch_000.safetensors")
+    assert start.keys() == pretrained.keys() and all(torch.equal(start[k], pretrained[k]) for k in start)
+    # a pretraining checkpoint of another architecture: the mismatched keys are named
+    cfg["model"].update({"model_kwargs": {**TINY["model_kwargs"], "embed_dim": 48}})
+    open(args[1], "w").write(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit):
+        train_main(args)
+    err = capsys.readouterr().err
+    assert str(ckpt)[:40] in err and "file (1, 17, 32) vs model (1, 17, 48)" in err
