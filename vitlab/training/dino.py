@@ -47,7 +47,8 @@ class DINOModule(pl.LightningModule):
     Args:
         model_name / model_kwargs / pretrained / weights / in_chans: the backbone, as in ClassificationModule.
         num_classes / class_names: linked from the data (used by the k-NN evaluation only).
-        out_dim / hidden_dim / bottleneck_dim: projection head (K prototypes).
+        out_dim / hidden_dim / bottleneck_dim: projection head (K prototypes); head_batch_norm: BatchNorm in its MLP
+            (DINO uses it for ResNets; it keeps tiny runs on small data from collapsing to uniform).
         local_crops / global_size / local_size / global_scale / local_scale / contrast / noise: multi-crop.
         student_temp / teacher_temp / warmup_teacher_temp / warmup_teacher_temp_epochs / center_momentum: loss.
         momentum_start / momentum_end: teacher EMA schedule.  freeze_last_layer: epochs with a frozen last head layer.
@@ -67,6 +68,7 @@ class DINOModule(pl.LightningModule):
         out_dim: int = 1024,
         hidden_dim: int = 256,
         bottleneck_dim: int = 64,
+        head_batch_norm: bool = False,
         local_crops: int = 4,
         global_size: int | None = None,
         local_size: int | None = None,
@@ -100,9 +102,9 @@ class DINOModule(pl.LightningModule):
         self.model = models.build_model(model_name, num_classes=max(num_classes, 2), in_chans=in_chans, pretrained=pretrained, weights=weights, **kwargs)
         models.drop_classifier(self.model)
         dim = models.feature_dim(self.model)
-        self.head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim, freeze_last_layer=freeze_last_layer)
+        self.head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim, batch_norm=head_batch_norm, freeze_last_layer=freeze_last_layer)
         self.teacher_model = copy.deepcopy(self.model)
-        self.teacher_head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim)
+        self.teacher_head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim, batch_norm=head_batch_norm)
         self.teacher_head.load_state_dict(self.head.state_dict())
         deactivate_requires_grad(self.teacher_model)
         deactivate_requires_grad(self.teacher_head)
@@ -149,6 +151,10 @@ class DINOModule(pl.LightningModule):
         self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n)
         self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n)
         return loss
+
+    def on_train_epoch_start(self) -> None:
+        # the teacher runs without stochastic depth / dropout (DINO builds it without drop_path)
+        self.teacher_model.eval()  # (the head keeps train mode: with head_batch_norm it normalises by batch statistics)
 
     def on_after_backward(self) -> None:
         self.head.cancel_last_layer_gradients(self.current_epoch)
