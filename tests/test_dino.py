@@ -197,3 +197,12 @@ def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_da
         train_main(args)
     err = capsys.readouterr().err
     assert str(ckpt)[:40] in err and "file (1, 17, 32) vs model (1, 17, 48)" in err
+
+
+def test_knn_monitor_mismatch_is_refused(tiny_dataset, tmp_path, capsys):
+    from vitlab.cli import train_main
+
+    cfg = dino_config(tiny_dataset, tmp_path / "runs", epochs=1)
+    with pytest.raises(SystemExit):
+        train_main(["--config", str(cfg), "--model.init_args.knn_every_n_epochs", "2"])
+    assert "knn_every_n_epochs = 2" in capsys.readouterr().err

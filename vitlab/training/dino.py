@@ -165,6 +165,13 @@ class DINOModule(pl.LightningModule):
         update_momentum(self.head, self.teacher_head, m)
         self.log("dino/momentum", m, on_step=False, on_epoch=True)
 
+    def setup(self, stage: str) -> None:
+        every = self.hparams.knn_every_n_epochs
+        for cb in getattr(self.trainer, "checkpoint_callbacks", []):
+            if cb.monitor and cb.monitor.startswith("val/knn") and (not every or getattr(cb, "_every_n_epochs", 1) % every):
+                raise ValueError(f"checkpoint.monitor {cb.monitor} is logged every model.knn_every_n_epochs = {every} epochs: "
+                                 f"set checkpoint.every_n_epochs to a multiple of it (or knn_every_n_epochs: 1)")
+
     def _knn_due(self) -> bool:
         every = self.hparams.knn_every_n_epochs
         return bool(every) and not self.trainer.sanity_checking and (self.current_epoch + 1) % every == 0
