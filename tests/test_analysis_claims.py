@@ -125,6 +125,11 @@ def test_002_claims_thresholds():
     assert claim_002c({"b0": 5.0, "b1": 6.0, "b2": 4.0, "b3": 2.0}).verdict == HOLDS
     assert claim_002c({"b0": 5.0, "b1": 6.0, "b2": 4.0, "b3": 5.5}).verdict == FAILS
     assert claim_002c({"b0": 5.0}).verdict == UNTESTABLE
+    # wider last stage: raw ranks say "does not hold", ranks per width say "holds"
+    ranks, widths = {"s0.b0": 20.0, "s0.b1": 22.0, "s1.b0": 30.0}, {"s0.b0": 32, "s0.b1": 32, "s1.b0": 64}
+    assert claim_002c(ranks).verdict == FAILS
+    rel = claim_002c(ranks, widths)
+    assert rel.verdict == HOLDS and rel.value["last_block"] == pytest.approx(30 / 64) and "width" in rel.statistic
 
 
 def test_003_ablation_claims():

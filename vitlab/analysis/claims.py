@@ -187,15 +187,23 @@ def claim_002b(symmetry: Mapping[str, float]) -> Claim:
                  {"first_third": first, "last_third": last, "last_block": final, "per_block": dict(symmetry)})
 
 
-def claim_002c(effective_rank: Mapping[str, float]) -> Claim:
-    """002-c: the last block's effective rank of M is below the median of the other blocks."""
+def claim_002c(effective_rank: Mapping[str, float], widths: Mapping[str, int] | None = None) -> Claim:
+    """002-c: the last block's effective rank of M is below the median of the other blocks.
+
+    ``widths`` (block -> embedding width): when blocks differ in width (Swin stages), each effective rank is
+    divided by its block's width, so wider stages are not penalised for having more dimensions.
+    """
     text = "the last layer has dominating principal singular values"
     blocks = list(effective_rank)
     if len(blocks) < 2:
         return untestable("002-c", text, "one block: nothing to compare the last block with")
+    statistic = "effective rank of the head-summed M per block"
+    if widths and len({widths[b] for b in blocks}) > 1:
+        effective_rank = {b: effective_rank[b] / widths[b] for b in blocks}
+        statistic += " / block width (blocks differ in width)"
     others = median(effective_rank[b] for b in blocks[:-1])
     last = effective_rank[blocks[-1]]
-    return Claim("002-c", text, "effective rank of the head-summed M per block",
+    return Claim("002-c", text, statistic,
                  "last block < median of the other blocks", HOLDS if last < others else FAILS,
                  {"last_block": last, "median_others": others, "per_block": dict(effective_rank)})
 

@@ -133,7 +133,7 @@ def evaluate(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], heads: 
         C.claim_000d(rows, heads, permutations=permutations, seed=seed),
         C.claim_002a({b: v["positive_mass"] for b, v in summed.items()}, head_mean),
         C.claim_002b({b: v["symmetry_score"] for b, v in summed.items()}),
-        C.claim_002c({b: v["effective_rank"] for b, v in summed.items()}),
+        C.claim_002c({b: v["effective_rank"] for b, v in summed.items()}, {b: int(cur[f"{b}.q.weight"].shape[1]) for b in heads}),
         C.claim_003a(ablations),
         C.claim_003b(ablations),
     ]
@@ -155,7 +155,7 @@ def markdown(header: dict[str, Any], results: list[C.Claim]) -> str:
     lines += [f"- **{k}**: {v}" for k, v in header.items()]
     lines += ["", "| claim | statement | measured | comparison | verdict | note |", "|---|---|---|---|---|---|"]
     for c in results:
-        lines.append(f"| {c.id} | {c.claim} | {_fmt(c.value) if c.value else '-'} | {c.comparison} | **{c.verdict}** | {c.reason} |")
+        lines.append(f"| {c.id} | {c.claim} | {c.statistic}: {_fmt(c.value) if c.value else '-'} | {c.comparison} | **{c.verdict}** | {c.reason} |")
     return "\n".join(lines) + "\n"
 
 
