@@ -26,6 +26,8 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
 from pydicom.tag import Tag
 
+from vitlab.data import jpeg12
+from vitlab.data.dicom_checks import check_values, has_image_elements, read_forced
 from vitlab.data.read_options import (
     ImageNotFoundError,
     ImageReadError,
@@ -70,12 +72,15 @@ _DICOM_TAGS = [Tag(keyword) for keyword in (
 )]  # fmt: skip
 _NATIVE_LITTLE_ENDIAN = {"1.2.840.10008.1.2": False, "1.2.840.10008.1.2.1": True}  # UID -> explicit VR
 _PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
+_DEFLATED = "1.2.840.10008.1.2.1.99"  # pixel offsets in the file mean nothing: read whole
+_NOT_DICOM = "not a DICOM file (no 'DICM' preamble and file meta header)"
+jpeg12.register()  # 12-bit JPEG Extended through imagecodecs (see vitlab.data.jpeg12)
 
 
 def _dicom_error(path: str | os.PathLike, exc: Exception) -> ImageReadError:
     """One-line error for a file pydicom cannot parse."""
     if isinstance(exc, InvalidDicomError):
-        return ImageReadError(f"{path}: not a DICOM file (no 'DICM' preamble and file meta header)")
+        return ImageReadError(f"{path}: {_NOT_DICOM}")
     return ImageReadError(f"{path}: not a readable DICOM file ({one_line(exc)})")
 
 
@@ -115,16 +120,28 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
         raise ImageNotFoundError(f"{path}: file not found")
     try:
         with open(path, "rb") as f:
-            ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+            try:
+                ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+            except InvalidDicomError:  # no preamble: an image only if pydicom finds one with force=True
+                f.seek(0)
+                ds = read_forced(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+                if "Rows" not in ds or "Columns" not in ds:
+                    raise ImageReadError(f"{path}: {_NOT_DICOM}") from None
             pixel_offset = f.tell()
             head = f.read(12)
             file_size = os.fstat(f.fileno()).st_size
+        if str(ds.file_meta.get("TransferSyntaxUID", "")) == _DEFLATED:  # offsets are in the inflated stream
+            ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+            pixel_offset, head = (0, b"") if has_image_elements(ds) else (file_size, b"")
+    except ImageReadError:
+        raise
     except Exception as exc:  # pydicom raises many types for broken files
         raise _dicom_error(path, exc) from None
     if "Rows" not in ds or "Columns" not in ds or pixel_offset >= file_size:
         raise ImageReadError(f"{path}: DICOM file has no pixel data")
+    check_values(path, ds)
     check_decodable(path, ds)
-    if not ds.file_meta.TransferSyntaxUID.is_compressed:
+    if not ds.file_meta.TransferSyntaxUID.is_compressed and head:  # head is b"" for deflated files
         expected = _pixel_bytes(ds)
         if file_size - pixel_offset < expected + 8:  # + 8: the smallest element header
             raise ImageReadError(
@@ -135,7 +152,10 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
 
 def _pixel_bytes(ds: Dataset) -> int:
     frames, samples = int(ds.get("NumberOfFrames") or 1), int(ds.get("SamplesPerPixel") or 1)
-    return (ds.Rows * ds.Columns * frames * samples * int(ds.get("BitsAllocated") or 8) + 7) // 8
+    length = (ds.Rows * ds.Columns * frames * samples * int(ds.get("BitsAllocated") or 8) + 7) // 8
+    if str(ds.get("PhotometricInterpretation", "")) == "YBR_FULL_422":  # two of three chroma samples per pair
+        length = length // 3 * 2
+    return length
 
 
 def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Dataset]:
@@ -147,11 +167,19 @@ def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Data
     if not os.path.isfile(path):
         raise ImageNotFoundError(f"{path}: file not found")
     try:
-        ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+        try:
+            ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+        except InvalidDicomError:  # no preamble: see dicom_header
+            ds = read_forced(path, specific_tags=_DICOM_TAGS)
+            if not has_image_elements(ds):
+                raise ImageReadError(f"{path}: {_NOT_DICOM}") from None
+    except ImageReadError:
+        raise
     except Exception as exc:  # pydicom raises many types for broken files
         raise _dicom_error(path, exc) from None
     if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):
         raise ImageReadError(f"{path}: DICOM file has no pixel data")
+    check_values(path, ds)
     check_decodable(path, ds)
     count = int(ds.get("NumberOfFrames") or 1)
     index = frame_index(path, frames, count)
@@ -187,12 +215,22 @@ def _display(
     """
     out = values if reuse and values.dtype == np.float32 else None
     image = min_max(values) if window is None else window_values(values, *window, out=out)
-    return np.subtract(np.float32(1.0), image, out=image) if monochrome1 else image
+    return np.subtract(np.float32(1.0), image, out=image) if monochrome1 else image  # both stay in [0, 1]
 
 
 def read_dicom(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
     """One DICOM file as float32 [0, 1] through pydicom's decoders (see the module docstring)."""
     stored, ds = decode(path, options.frames)
+    try:
+        image = _display_dataset(path, stored, ds, options)
+    except ImageReadError:
+        raise
+    except Exception as exc:  # a malformed element that the header checks let through
+        raise ImageReadError(f"{path}: cannot display pixel data ({type(exc).__name__}: {one_line(exc)})") from None
+    return finite(path, image)
+
+
+def _display_dataset(path: str | os.PathLike, stored: np.ndarray, ds: Dataset, options: ReadOptions) -> np.ndarray:
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
     if photometric == "PALETTE COLOR":
         lut_bits = int(ds.RedPaletteColorLookupTableDescriptor[2])
@@ -202,6 +240,16 @@ def read_dicom(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
         return (stored.astype(np.float32) / np.float32(max_value)).clip(0.0, 1.0)
     window = options.explicit_window or _tag_window(path, ds, options.window_index)
     return _display(apply_modality_lut(stored, ds), window, photometric == "MONOCHROME1")
+
+
+def finite(path: str | os.PathLike, image: np.ndarray) -> np.ndarray:
+    """``image`` when every value is finite; else :class:`ImageReadError` (nothing non-finite reaches a batch)."""
+    if image.size and not np.isfinite(image).all():
+        raise ImageReadError(
+            f"{path}: non-finite (NaN or infinite) pixel values after rescale and window; "
+            "check its pixel data and RescaleSlope/RescaleIntercept"
+        )
+    return image
 
 
 def modality_values(path: str | os.PathLike, *, frames: str | int = "middle") -> np.ndarray:
@@ -320,4 +368,4 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
         values = stored.astype(np.float32 if exact else np.float64)
         values *= slope
         values += intercept
-    return _display(values, plan.window, plan.monochrome1, reuse=True)
+    return finite(path, _display(values, plan.window, plan.monochrome1, reuse=True))
