@@ -143,6 +143,15 @@ def test_files_without_preamble_and_without_pixels_keep_the_clear_message(name):
         assert str(error.value) == f"{FOLDER / name}: not a DICOM file (no 'DICM' preamble and file meta header)"
 
 
+def test_random_bytes_with_a_dcm_suffix_are_not_dicom(tmp_path):
+    path = tmp_path / "noise.dcm"
+    path.write_bytes(np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    for call in (read_image, header_info):
+        with pytest.raises(ImageReadError) as error:
+            call(path)
+        assert str(error.value) == f"{path}: not a DICOM file (no 'DICM' preamble and file meta header)"
+
+
 def _naive_min_max(values: np.ndarray) -> np.ndarray:
     values = values.astype(np.float32)
     low, high = float(values.min()), float(values.max())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pydicom
@@ -38,23 +38,25 @@ from vitlab.data.read_options import (
     window_values,
 )
 
-# Packages (pip names) that add a decoder for a compressed transfer syntax, by UID.
-_JPEG_LS = "`pylibjpeg-libjpeg` or `pyjpegls` or `python-gdcm`"
-_JPEG_LOSSLESS = "`pylibjpeg-libjpeg` or `python-gdcm`"
-_JPEG_2000 = "`pylibjpeg-openjpeg` or `python-gdcm` (or Pillow built with OpenJPEG)"
+# Packages (pip names) that add a decoder for a compressed transfer syntax, by UID. vitlab installs
+# python-gdcm, pylibjpeg-openjpeg, pyjpegls and imagecodecs (see the README's DICOM section), so
+# these show only when one was removed or has no wheel for the platform.
+_JPEG_LS = "`pyjpegls` or `python-gdcm`"
+_JPEG_LOSSLESS = "`python-gdcm`"
+_JPEG_2000 = "`pylibjpeg pylibjpeg-openjpeg` or `python-gdcm`"
 DECODER_PACKAGES: dict[str, str] = {
-    "1.2.840.10008.1.2.4.50": "`pillow` or `pylibjpeg-libjpeg` or `python-gdcm`",
-    "1.2.840.10008.1.2.4.51": _JPEG_LOSSLESS,
+    "1.2.840.10008.1.2.4.50": "`pillow` or `python-gdcm`",
+    "1.2.840.10008.1.2.4.51": "`imagecodecs` (12-bit) or `python-gdcm` (8-bit)",
     "1.2.840.10008.1.2.4.57": _JPEG_LOSSLESS,
     "1.2.840.10008.1.2.4.70": _JPEG_LOSSLESS,
     "1.2.840.10008.1.2.4.80": _JPEG_LS,
     "1.2.840.10008.1.2.4.81": _JPEG_LS,
     "1.2.840.10008.1.2.4.90": _JPEG_2000,
     "1.2.840.10008.1.2.4.91": _JPEG_2000,
-    "1.2.840.10008.1.2.4.201": "`pylibjpeg-openjpeg`",
-    "1.2.840.10008.1.2.4.202": "`pylibjpeg-openjpeg`",
-    "1.2.840.10008.1.2.4.203": "`pylibjpeg-openjpeg`",
-    "1.2.840.10008.1.2.5": "`pylibjpeg-rle` or `python-gdcm`",
+    "1.2.840.10008.1.2.4.201": "`pylibjpeg pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.4.202": "`pylibjpeg pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.4.203": "`pylibjpeg pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.5": "`pylibjpeg-rle` (pydicom's own RLE decoder is built in)",
 }
 
 # The only elements decoding and display need (as tags: keyword lookups cost ~0.2 ms per file).
@@ -98,6 +100,21 @@ def check_decodable(path: str | os.PathLike, ds: Dataset) -> None:
         raise ImageReadError(f"{path}: no decoder installed for {syntax.name!r}; pip install {packages}")
 
 
+def _read_without_preamble(path: str | os.PathLike, source: Any, *, stop_before_pixels: bool = False) -> Dataset:
+    """A file without 'DICM' preamble and file meta, read with ``force=True``, when it holds an image.
+
+    Raises:
+        ImageReadError: "not a DICOM file" when pydicom finds no image elements in it.
+    """
+    try:
+        ds = read_forced(source, stop_before_pixels=stop_before_pixels, specific_tags=_DICOM_TAGS)
+    except Exception:  # noqa: BLE001 - any failure here means the file is not DICOM
+        ds = None
+    if ds is None or "Rows" not in ds or "Columns" not in ds or not (stop_before_pixels or has_image_elements(ds)):
+        raise ImageReadError(f"{path}: {_NOT_DICOM}")
+    return ds
+
+
 class DicomHeader(NamedTuple):
     """What one pass over a DICOM header yields (pixel data not read)."""
 
@@ -124,9 +141,7 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
                 ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
             except InvalidDicomError:  # no preamble: an image only if pydicom finds one with force=True
                 f.seek(0)
-                ds = read_forced(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
-                if "Rows" not in ds or "Columns" not in ds:
-                    raise ImageReadError(f"{path}: {_NOT_DICOM}") from None
+                ds = _read_without_preamble(path, f, stop_before_pixels=True)
             pixel_offset = f.tell()
             head = f.read(12)
             file_size = os.fstat(f.fileno()).st_size
@@ -170,9 +185,7 @@ def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Data
         try:
             ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
         except InvalidDicomError:  # no preamble: see dicom_header
-            ds = read_forced(path, specific_tags=_DICOM_TAGS)
-            if not has_image_elements(ds):
-                raise ImageReadError(f"{path}: {_NOT_DICOM}") from None
+            ds = _read_without_preamble(path, path)
     except ImageReadError:
         raise
     except Exception as exc:  # pydicom raises many types for broken files
