@@ -16,6 +16,7 @@ from typing import Any
 import pydicom
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.multival import MultiValue
+from pydicom.tag import Tag
 from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
 from vitlab.data.read_options import ImageReadError
@@ -23,6 +24,7 @@ from vitlab.data.read_options import ImageReadError
 _INTEGER_TAGS = ("Rows", "Columns", "BitsAllocated", "BitsStored", "HighBit", "PixelRepresentation",
                  "SamplesPerPixel", "NumberOfFrames", "PlanarConfiguration")  # fmt: skip
 _REAL_TAGS = ("WindowCenter", "WindowWidth", "RescaleSlope", "RescaleIntercept")
+_CHECKED = [(keyword, Tag(keyword), keyword in _INTEGER_TAGS) for keyword in _INTEGER_TAGS + _REAL_TAGS]
 _PALETTE = ("Red", "Green", "Blue")
 _ENCODING_SYNTAX = {  # pydicom's (implicit VR, little endian) of a file read with force=True
     (True, True): ImplicitVRLittleEndian,
@@ -31,18 +33,23 @@ _ENCODING_SYNTAX = {  # pydicom's (implicit VR, little endian) of a file read wi
 }
 
 
-def numbers(path: str | os.PathLike, ds: Dataset, keyword: str, *, integer: bool = False) -> list[float]:
+def numbers(path: str | os.PathLike, ds: Dataset, keyword: str, *, integer: bool = False, tag: Any = None) -> list[float]:
     """The element's values as finite floats ([] when absent or empty).
 
     Raises:
         ImageReadError: A value is not a number, not finite, or (``integer``) not whole.
     """
+    tag = Tag(keyword) if tag is None else tag
+    if tag not in ds:
+        return []
     try:
-        value = ds[keyword].value if keyword in ds else None
+        value = ds[tag].value
     except Exception as exc:  # pydicom converts lazily and may raise on a malformed raw value
         raise ImageReadError(f"{path}: {keyword} cannot be read ({type(exc).__name__}: {exc})") from None
     if value is None or value == "":
         return []
+    if isinstance(value, int) and not isinstance(value, bool):  # US/SS (binary) values: always whole
+        return [float(value)]
     out = []
     for item in list(value) if isinstance(value, (MultiValue, list, tuple)) else [value]:
         try:
@@ -57,32 +64,27 @@ def numbers(path: str | os.PathLike, ds: Dataset, keyword: str, *, integer: bool
     return out
 
 
-def _one(path: str | os.PathLike, ds: Dataset, keyword: str, default: int) -> int:
-    values = numbers(path, ds, keyword, integer=True)
-    return int(values[0]) if values else default
-
-
 def check_values(path: str | os.PathLike, ds: Dataset) -> None:
     """Raise :class:`ImageReadError` for an element that decoding or display would choke on."""
-    for keyword in _INTEGER_TAGS:
-        numbers(path, ds, keyword, integer=True)
-    for keyword in _REAL_TAGS:
-        numbers(path, ds, keyword)
-    for keyword, low in (("Rows", 1), ("Columns", 1), ("NumberOfFrames", 1)):
-        value = _one(path, ds, keyword, low)
-        if value < low:
-            raise ImageReadError(f"{path}: {keyword} {value} is not a positive size")
-    samples = _one(path, ds, "SamplesPerPixel", 1)
+    first = {}
+    for keyword, tag, integer in _CHECKED:
+        values = numbers(path, ds, keyword, integer=integer, tag=tag)
+        if values:
+            first[keyword] = int(values[0]) if integer else values[0]
+    for keyword in ("Rows", "Columns", "NumberOfFrames"):
+        if first.get(keyword, 1) < 1:
+            raise ImageReadError(f"{path}: {keyword} {first[keyword]} is not a positive size")
+    samples = first.get("SamplesPerPixel", 1)
     if samples not in (1, 3):
         raise ImageReadError(f"{path}: SamplesPerPixel {samples} is not supported (1 or 3)")
-    bits = _one(path, ds, "BitsAllocated", 8)
+    bits = first.get("BitsAllocated", 8)
     if bits not in (1, 8, 16, 32, 64):
         raise ImageReadError(f"{path}: BitsAllocated {bits} is not one of 1, 8, 16, 32, 64")
-    stored = _one(path, ds, "BitsStored", bits)
+    stored = first.get("BitsStored", bits)
     if not 1 <= stored <= bits:
         raise ImageReadError(f"{path}: BitsStored {stored} is not between 1 and BitsAllocated {bits}")
-    if _one(path, ds, "PixelRepresentation", 0) not in (0, 1):
-        raise ImageReadError(f"{path}: PixelRepresentation {ds.PixelRepresentation!r} is not 0 or 1")
+    if first.get("PixelRepresentation", 0) not in (0, 1):
+        raise ImageReadError(f"{path}: PixelRepresentation {first['PixelRepresentation']} is not 0 or 1")
     if str(ds.get("PhotometricInterpretation", "")).strip() == "PALETTE COLOR":
         _check_palette(path, ds)
 
