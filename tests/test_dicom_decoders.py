@@ -175,3 +175,21 @@ def test_zero_one_contract_is_exact_after_scaling(tmp_path):
     for image in (read_image(tmp_path / "overshoot.dcm"), ImageReader(ReadOptions())(tmp_path / "overshoot.dcm")):
         assert image.max() == 1.0 and image.min() == 0.0
     assert min_max(np.array([-4.454133, 656.4749], np.float32)).max() == 1.0
+
+
+def test_tests_and_benchmarks_never_ask_pydicom_to_download():
+    """``get_testdata_file(s)`` without ``download=False`` tries the network and hangs offline."""
+    import ast
+
+    root = Path(__file__).parent.parent
+    offending = []
+    for path in sorted([*root.glob("tests/*.py"), *root.glob("benchmarks/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in ("get_testdata_file", "get_testdata_files"):
+                download = [k.value for k in node.keywords if k.arg == "download"]
+                if not (download and isinstance(download[0], ast.Constant) and download[0].value is False):
+                    offending.append(f"{path.name}:{node.lineno}")
+    assert offending == []

@@ -115,6 +115,31 @@ def _read_without_preamble(path: str | os.PathLike, source: Any, *, stop_before_
     return ds
 
 
+# One plugin per syntax where there is a choice: GDCM's wheel aborts the whole process (an uncaught
+# C++ exception) on a J2K stream whose components disagree with SamplesPerPixel, so it decodes only
+# what nothing else does (JPEG Lossless); pydicom's default would try every plugin in turn.
+_PLUGIN_BY_SYNTAX = {
+    "1.2.840.10008.1.2.4.50": "pillow",
+    "1.2.840.10008.1.2.4.80": "pyjpegls",
+    "1.2.840.10008.1.2.4.81": "pyjpegls",
+    **dict.fromkeys(("1.2.840.10008.1.2.4.90", "1.2.840.10008.1.2.4.91", "1.2.840.10008.1.2.4.201",
+                     "1.2.840.10008.1.2.4.202", "1.2.840.10008.1.2.4.203"), "pylibjpeg"),
+}  # fmt: skip
+
+
+def decoding_plugin(ds: Dataset) -> str:
+    """pydicom's ``decoding_plugin`` for this file ("" lets pydicom choose)."""
+    syntax = str(ds.file_meta.get("TransferSyntaxUID", ""))
+    if syntax == "1.2.840.10008.1.2.4.51":
+        label = jpeg12.LABEL if int(ds.get("BitsStored") or 8) > 8 else "pillow"
+    else:
+        label = _PLUGIN_BY_SYNTAX.get(syntax, "")
+    try:
+        return label if label and label in get_decoder(syntax).available_plugins else ""
+    except NotImplementedError:
+        return ""
+
+
 class DicomHeader(NamedTuple):
     """What one pass over a DICOM header yields (pixel data not read)."""
 
@@ -197,7 +222,7 @@ def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Data
     count = int(ds.get("NumberOfFrames") or 1)
     index = frame_index(path, frames, count)
     try:
-        stored = pixel_array(ds, index=index)
+        stored = pixel_array(ds, index=index, decoding_plugin=decoding_plugin(ds))
     except Exception as exc:
         raise ImageReadError(f"{path}: cannot decode pixel data ({one_line(exc)})") from None
     if index is None and count == 1:
