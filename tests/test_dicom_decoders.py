@@ -193,3 +193,32 @@ def test_tests_and_benchmarks_never_ask_pydicom_to_download():
                 if not (download and isinstance(download[0], ast.Constant) and download[0].value is False):
                     offending.append(f"{path.name}:{node.lineno}")
     assert offending == []
+
+
+@pytest.mark.parametrize(("bits", "signed"), [(16, True), (12, True), (16, False), (8, False)])
+def test_jpeg_lossless_round_trip_is_exact(tmp_path, bits, signed):
+    """Lossless JPEG (libjpeg-turbo's encoder) reads back exactly as the uncompressed original does."""
+    import imagecodecs
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import JPEGLossless, JPEGLosslessSV1
+
+    rng = np.random.default_rng(bits)
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if signed else (0, 2**bits)
+    values = rng.integers(low, high, (48, 40)).astype(np.int16 if signed else np.uint16 if bits > 8 else np.uint8)
+    ds = pydicom.dcmread(FOLDER / "CT_small.dcm")
+    ds.Rows, ds.Columns, ds.BitsAllocated, ds.BitsStored, ds.HighBit = 48, 40, 8 if bits == 8 else 16, bits, bits - 1
+    ds.PixelRepresentation, ds.RescaleSlope, ds.RescaleIntercept = int(signed), "0.5", "-3"
+    ds.PixelData = values.tobytes()
+    ds.save_as(tmp_path / "native.dcm")
+    samples = values.view(np.uint16) & np.uint16(2**bits - 1) if bits > 8 else values
+    for syntax, predictor in ((JPEGLosslessSV1, 1), (JPEGLossless, 6)):
+        ds.PixelData = encapsulate([imagecodecs.jpeg8_encode(samples, lossless=True, predictor=predictor,
+                                                             bitspersample=bits)])  # fmt: skip
+        ds.file_meta.TransferSyntaxUID = syntax
+        ds.save_as(tmp_path / "lossless.dcm")
+        np.testing.assert_array_equal(pixel_array(tmp_path / "lossless.dcm"), values)
+        np.testing.assert_array_equal(read_image(tmp_path / "lossless.dcm"), read_image(tmp_path / "native.dcm"))
+
+
+def test_rgb_lossless_jpeg_equals_the_same_image_rle_encoded():
+    np.testing.assert_array_equal(read_image(FOLDER / "SC_rgb_jpeg_gdcm.dcm"), read_image(FOLDER / "SC_rgb_rle.dcm"))

@@ -26,7 +26,7 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
 from pydicom.tag import Tag
 
-from vitlab.data import jpeg12
+from vitlab.data import imagecodecs_plugin
 from vitlab.data.dicom_checks import check_values, has_image_elements, read_forced
 from vitlab.data.read_options import (
     ImageNotFoundError,
@@ -39,14 +39,14 @@ from vitlab.data.read_options import (
 )
 
 # Packages (pip names) that add a decoder for a compressed transfer syntax, by UID. vitlab installs
-# python-gdcm, pylibjpeg-openjpeg, pyjpegls and imagecodecs (see the README's DICOM section), so
+# pylibjpeg-openjpeg, pyjpegls and imagecodecs (see the README's DICOM section), so
 # these show only when one was removed or has no wheel for the platform.
-_JPEG_LS = "`pyjpegls` or `python-gdcm`"
-_JPEG_LOSSLESS = "`python-gdcm`"
-_JPEG_2000 = "`pylibjpeg pylibjpeg-openjpeg` or `python-gdcm`"
+_JPEG_LS = "`pyjpegls`"
+_JPEG_LOSSLESS = "`imagecodecs`"
+_JPEG_2000 = "`pylibjpeg pylibjpeg-openjpeg`"
 DECODER_PACKAGES: dict[str, str] = {
-    "1.2.840.10008.1.2.4.50": "`pillow` or `python-gdcm`",
-    "1.2.840.10008.1.2.4.51": "`imagecodecs` (12-bit) or `python-gdcm` (8-bit)",
+    "1.2.840.10008.1.2.4.50": "`pillow`",
+    "1.2.840.10008.1.2.4.51": "`imagecodecs` (12-bit) or `pillow` (8-bit)",
     "1.2.840.10008.1.2.4.57": _JPEG_LOSSLESS,
     "1.2.840.10008.1.2.4.70": _JPEG_LOSSLESS,
     "1.2.840.10008.1.2.4.80": _JPEG_LS,
@@ -76,7 +76,7 @@ _NATIVE_LITTLE_ENDIAN = {"1.2.840.10008.1.2": False, "1.2.840.10008.1.2.1": True
 _PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
 _DEFLATED = "1.2.840.10008.1.2.1.99"  # pixel offsets in the file mean nothing: read whole
 _NOT_DICOM = "not a DICOM file (no 'DICM' preamble and file meta header)"
-jpeg12.register()  # 12-bit JPEG Extended through imagecodecs (see vitlab.data.jpeg12)
+imagecodecs_plugin.register()  # 12-bit JPEG Extended, JPEG Lossless (see vitlab.data.imagecodecs_plugin)
 
 
 def _dicom_error(path: str | os.PathLike, exc: Exception) -> ImageReadError:
@@ -115,11 +115,12 @@ def _read_without_preamble(path: str | os.PathLike, source: Any, *, stop_before_
     return ds
 
 
-# One plugin per syntax where there is a choice: GDCM's wheel aborts the whole process (an uncaught
-# C++ exception) on a J2K stream whose components disagree with SamplesPerPixel, so it decodes only
-# what nothing else does (JPEG Lossless); pydicom's default would try every plugin in turn.
+# One plugin per syntax: GDCM's wheel (when installed) aborts the whole process with an uncaught C++
+# exception on some malformed J2K and JPEG streams, and pydicom's default tries every plugin in turn.
 _PLUGIN_BY_SYNTAX = {
     "1.2.840.10008.1.2.4.50": "pillow",
+    "1.2.840.10008.1.2.4.57": imagecodecs_plugin.LABEL,
+    "1.2.840.10008.1.2.4.70": imagecodecs_plugin.LABEL,
     "1.2.840.10008.1.2.4.80": "pyjpegls",
     "1.2.840.10008.1.2.4.81": "pyjpegls",
     **dict.fromkeys(("1.2.840.10008.1.2.4.90", "1.2.840.10008.1.2.4.91", "1.2.840.10008.1.2.4.201",
@@ -131,7 +132,7 @@ def decoding_plugin(ds: Dataset) -> str:
     """pydicom's ``decoding_plugin`` for this file ("" lets pydicom choose)."""
     syntax = str(ds.file_meta.get("TransferSyntaxUID", ""))
     if syntax == "1.2.840.10008.1.2.4.51":
-        label = jpeg12.LABEL if int(ds.get("BitsStored") or 8) > 8 else "pillow"
+        label = imagecodecs_plugin.LABEL if int(ds.get("BitsStored") or 8) > 8 else "pillow"
     else:
         label = _PLUGIN_BY_SYNTAX.get(syntax, "")
     try:
