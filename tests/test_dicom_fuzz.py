@@ -81,6 +81,7 @@ MALFORMED = [
     ({"RescaleSlope": "x"}, "RescaleSlope"),
     ({"RescaleSlope": "nan"}, "RescaleSlope"),
     ({"RescaleIntercept": "-inf"}, "RescaleIntercept"),
+    ({"RescaleSlope": "1e300"}, "overflow float32"),
     ({"NumberOfFrames": "1A"}, "NumberOfFrames"),
     ({"NumberOfFrames": "0"}, "NumberOfFrames"),
 ]

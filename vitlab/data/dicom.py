@@ -398,7 +398,7 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
     if plan.unused_bits:
         np.left_shift(stored, plan.unused_bits, out=stored)
         np.right_shift(stored, plan.unused_bits, out=stored)
-    values = stored
+    values, bounded = stored, True  # integers through a finite window or min-max stay finite
     if plan.rescale is not None:
         slope, intercept = plan.rescale
         # float32 is exact (hence identical to pydicom's float64) for integer rescale of small integers
@@ -407,4 +407,6 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
         values = stored.astype(np.float32 if exact else np.float64)
         values *= slope
         values += intercept
-    return finite(path, _display(values, plan.window, plan.monochrome1, reuse=True))
+        bounded = largest < 1e38  # no overflow to inf in float32
+    image = _display(values, plan.window, plan.monochrome1, reuse=True)
+    return image if bounded else finite(path, image)

@@ -83,6 +83,11 @@ def check_values(path: str | os.PathLike, ds: Dataset) -> None:
     stored = first.get("BitsStored", bits)
     if not 1 <= stored <= bits:
         raise ImageReadError(f"{path}: BitsStored {stored} is not between 1 and BitsAllocated {bits}")
+    slope, intercept = first.get("RescaleSlope", 1.0), first.get("RescaleIntercept", 0.0)
+    if abs(slope) * 2.0**stored + abs(intercept) >= 3e38:
+        raise ImageReadError(
+            f"{path}: RescaleSlope {slope:g} / RescaleIntercept {intercept:g} overflow float32 for {stored}-bit values"
+        )
     if first.get("PixelRepresentation", 0) not in (0, 1):
         raise ImageReadError(f"{path}: PixelRepresentation {first['PixelRepresentation']} is not 0 or 1")
     if str(ds.get("PhotometricInterpretation", "")).strip() == "PALETTE COLOR":
