@@ -147,11 +147,11 @@ FUZZ_BASES = ("CT_small.dcm", "MR_small_RLE.dcm", "examples_palette.dcm", "SC_rg
               "JPGExtended.dcm", "MR_small_jp2klossless.dcm", "SC_rgb_jpeg_gdcm.dcm")  # fmt: skip
 
 
-def mutants(folder: Path, count: int = 48) -> list[Path]:
+def mutants(folder: Path, count: int = 48, extra: tuple[Path, ...] = ()) -> list[Path]:
     """``count`` deterministic mutants: 1-3 tag mutations each, some with flipped pixel bytes."""
     paths = []
     synthetic = float_image(folder / "synthetic_float.dcm", np.arange(36, dtype=np.float32).reshape(6, 6))
-    bases = [FOLDER / name for name in FUZZ_BASES] + [synthetic]
+    bases = [FOLDER / name for name in FUZZ_BASES] + [synthetic, *extra]
     for i in range(3 * count):
         if len(paths) == count:
             break
@@ -180,8 +180,10 @@ def mutants(folder: Path, count: int = 48) -> list[Path]:
     return paths
 
 
-def test_fuzzer_every_mutant_reads_in_zero_one_or_names_itself(tmp_path):
-    paths = mutants(tmp_path)
+def test_fuzzer_every_mutant_reads_in_zero_one_or_names_itself(tmp_path, tiny_dataset):
+    vitlab_synthetic = sorted(tiny_dataset.parent.rglob("*.dcm"))[:2]  # vitlab's generated CT slices
+    assert vitlab_synthetic
+    paths = mutants(tmp_path, extra=tuple(vitlab_synthetic))
     outcomes = {"read": 0, "refused": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pydicom warns about the values it keeps
