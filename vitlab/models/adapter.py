@@ -19,12 +19,14 @@ first use (a module whose library is not installed, e.g. an optional extra, is s
    ``@register_adapter``; append the module to ``_BUILTIN_MODULES`` if it is new;
 2. fill the class attributes that describe it for users: ``family`` (id), ``description`` (one line for
    error messages), ``library`` (``timm`` / ``torchvision`` / ``transformers``), ``classes`` (the library
-   class names), ``examples`` (model names that build it) and ``supports`` (what works, with caveats);
+   class names), ``examples`` (model names that build it), ``supports`` (what works; the default lists
+   every feature) and ``notes`` (position terms, norm placement, what is not supported);
 3. add a tiny configuration to :data:`vitlab.models.testing.TINY_MODELS` and its oracles to the tests.
 
 :func:`families_table` renders the registry as the README's "Supported model families" table;
-``tests/test_models_families.py`` fails when the README copy differs from it (regenerate it with
-``python -m vitlab.models.adapter > /tmp/table.md`` and paste between the markers).
+``tests/test_models_families.py`` fails when the README copy differs from it (print it with
+``python -c "from vitlab.models import families_table; print(families_table())"`` and paste it between the
+``<!-- families-table:start -->`` / ``end`` markers).
 """
 
 from __future__ import annotations
@@ -71,9 +73,16 @@ class BlockView:
         has_attention: False for MLP-Mixer blocks (token mixing is an MLP).
         window_size: Swin attention window (h, w) at the configured input size; None otherwise.
         shift_size: Swin cyclic shift (h, w), (0, 0) for unshifted blocks; None otherwise.
-        rel_pos_table: Swin relative-position bias table ((2w-1)^2, heads), the live Parameter; or None.
+        rel_pos_table: Swin V1 / BEiT relative-position bias table ((2w-1)^2 (+3 for BEiT's class token),
+            heads), the live Parameter; or None (Swin V2's bias comes from an MLP).
         grid: Token grid (H, W) entering this block at the model's configured input size.
         num_prefix_tokens: Class/register tokens in front of the patch tokens (0 for Swin/Mixer).
+        attention_form: ``"dot"`` (logits = q.k / sqrt(hd) + position terms) or ``"cosine"`` (Swin V2:
+            logits = exp(min(s_h, log 100)) * q.k / (|q| |k|) + position bias). For cosine attention the QK
+            spectra (:func:`vitlab.analysis.qk_spectra`) are those of Wq_h^T Wk_h, the bilinear form of the
+            un-normalised numerator q.k: its sign structure (positive mass, symmetry score) and effective
+            rank carry over to the cosine logits, its singular-value magnitudes do not (the per-pair norms
+            and the logit scale s_h set those).
     """
 
     name: str
@@ -91,6 +100,7 @@ class BlockView:
     rel_pos_table: Optional[nn.Parameter] = field(repr=False)
     grid: tuple[int, int]
     num_prefix_tokens: int
+    attention_form: str = "dot"
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +148,8 @@ class FamilyAdapter:
         mlp_act_name: Name of the activation inside the block's channel MLP.
         norm_placement: ``"pre"`` (``x + f(norm(x))``, most ViTs) or ``"post"`` (res-post-norm,
             ``x + norm(f(x))``: Swin V2). Post-norm adapters' branch methods take the ``norm`` to apply.
-        library, classes, examples, supports: the registry row shown in the README table.
+        library, classes, examples, supports, notes: the registry row shown in the README table
+            (``supports`` lists what works, ``notes`` the family's particulars and limits).
     """
 
     family: ClassVar[str] = ""
@@ -147,6 +158,7 @@ class FamilyAdapter:
     classes: ClassVar[str] = ""
     examples: ClassVar[str] = ""
     supports: ClassVar[str] = "qkv, blocks, record_attention, capture, ablate, transplant, forward_until"
+    notes: ClassVar[str] = ""
     norm_placement: ClassVar[str] = "pre"
     mixer_name: ClassVar[str] = "attention"
     part_names: ClassVar[dict[str, str]] = {}
@@ -299,7 +311,8 @@ def families_table() -> str:
     _load_builtin_adapters()
     lines = ["| library | class | example names | family id | supported |", "| --- | --- | --- | --- | --- |"]
     for adapter in _REGISTRY:
-        cells = [adapter.library, adapter.classes, adapter.examples, f"`{adapter.family}`", adapter.supports]
+        supported = adapter.supports + (f"; {adapter.notes}" if adapter.notes else "")
+        cells = [adapter.library, adapter.classes, adapter.examples, f"`{adapter.family}`", supported]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines)
 
@@ -376,7 +389,3 @@ def window_slot_tokens(
             padded = torch.roll(padded, shifts=(-shift[0], -shift[1]), dims=(0, 1))
     windows = padded.view(padded_h // wh, wh, padded_w // ww, ww).permute(0, 2, 1, 3)  # (nH, nW, wh, ww)
     return windows.reshape(-1, wh * ww)
-
-
-if __name__ == "__main__":
-    print(families_table())

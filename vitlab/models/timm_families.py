@@ -64,6 +64,7 @@ class TimmViTAdapter(_TimmPlainBlocks):
     library = "timm"
     classes = "VisionTransformer"
     examples = "`vit_base_patch16_224`, `deit3_small_patch16_224`, `vit_small_patch14_dinov2`, `vit_large_patch16_224` with `init_values`"
+    notes = "class / register tokens, LayerScale; recording switches to the explicit (non-fused) attention path"
     part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
     input_conv = "patch_embed.proj"
 
@@ -189,6 +190,7 @@ class TimmSwinAdapter(FamilyAdapter):
     library = "timm"
     classes = "SwinTransformer"
     examples = "`swin_tiny_patch4_window7_224`, `swin_base_patch4_window12_384`"
+    notes = "shifted windows (`AttentionRecord.dense` scatters them to token order); rel-pos table in `BlockView`"
     part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
     input_conv = "patch_embed.proj"
 

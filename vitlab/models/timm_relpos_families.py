@@ -86,10 +86,10 @@ class TimmEvaAdapter(_TimmTokenViT):
     """timm ``Eva`` (EVA, EVA-02 and timm's rotary ViTs) with pre-norm ``EvaBlock`` / ``EvaAttention``."""
 
     family = "timm-eva"
-    description = "timm Eva (eva02_*, eva_*, vit_*_rope_* built on Eva)"
+    description = "timm Eva (eva02_*, eva_*)"
     classes = "Eva (EvaBlock, EvaAttention)"
-    examples = "`eva02_tiny_patch14_224`, `eva02_base_patch14_224.mim_in22k`, `eva_giant_patch14_224`"
-    supports = ("all; Q/K/V fused or separate (separate: concatenated copies), rotary embedding recorded on "
+    examples = "`eva02_tiny_patch14_224`, `eva02_base_patch14_224`, `eva_giant_patch14_224`"
+    notes = ("Q/K/V fused or separate (separate: concatenated copies), rotary embedding recorded on "
                 "the patch tokens, SwiGLU hidden = act(gate)·value; not post-norm or grouped-query blocks")
 
     @classmethod
@@ -130,7 +130,7 @@ class TimmBeitAdapter(_TimmTokenViT):
     description = "timm Beit (beit_*, beitv2_*)"
     classes = "Beit"
     examples = "`beit_base_patch16_224`, `beitv2_base_patch16_224`"
-    supports = ("all; relative position bias table exposed as `BlockView.rel_pos_table`, zero K bias in "
+    notes = ("relative position bias table exposed as `BlockView.rel_pos_table`, zero K bias in "
                 "`qkv` (copies of q/k/v biases)")
 
     @classmethod
@@ -166,7 +166,7 @@ class TimmViTRelPosAdapter(_TimmTokenViT):
     description = "timm VisionTransformerRelPos (vit_relpos_*, pre-norm blocks)"
     classes = "VisionTransformerRelPos (RelPosBlock)"
     examples = "`vit_relpos_small_patch16_224`, `vit_relpos_base_patch16_clsgap_224`"
-    supports = "all; rel-pos bias MLP or table recorded in the probabilities; not the `*_rpn_*` post-norm blocks"
+    notes = "rel-pos bias MLP or table recorded in the probabilities; not the `*_rpn_*` post-norm blocks"
 
     @classmethod
     def matches(cls, model: nn.Module) -> bool:

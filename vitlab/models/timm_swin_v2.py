@@ -23,10 +23,6 @@ from vitlab.models.timm_families import _timm_filter
 
 __all__ = ["TimmSwinV2Adapter", "TimmSwinV2CrAdapter"]
 
-COSINE_NOTE = ("cosine attention: QKSpectra reports the spectra of Wq^T Wk, the bilinear form of the "
-               "un-normalised q.k (see README)")
-
-
 @contextmanager
 def _hooked(site: nn.Module, sink: Callable[[Tensor], None], use_output: bool) -> Iterator[None]:
     """Report the probabilities passing ``site`` (output of ``softmax`` or input of ``attn_drop``)."""
@@ -77,7 +73,7 @@ class _TimmSwinV2Base(FamilyAdapter):
                     module=block, qualname=f"{self.stages_attr}.{stage}.blocks.{index}", dim=block.dim,
                     num_heads=attn.num_heads, head_dim=attn.qkv.out_features // 3 // attn.num_heads,
                     has_attention=True, window_size=_pair(block.window_size), shift_size=_pair(block.shift_size),
-                    rel_pos_table=None, grid=self._grid(block), num_prefix_tokens=0,
+                    rel_pos_table=None, grid=self._grid(block), num_prefix_tokens=0, attention_form="cosine",
                 ))
                 global_index += 1
         return views
@@ -114,7 +110,7 @@ class TimmSwinV2Adapter(_TimmSwinV2Base):
     description = "timm SwinTransformerV2 (swinv2_*)"
     classes = "SwinTransformerV2"
     examples = "`swinv2_tiny_window8_256`, `swinv2_base_window12to16_192to256`"
-    supports = ("all (res-post-norm: `ablate layernorm` drops the norm after each branch); attention = "
+    notes = ("res-post-norm (`ablate layernorm` drops the norm after each branch); attention = "
                 "cosine with logit scale + 16·sigmoid(CPB MLP) bias; QKSpectra: spectra of Wq^T Wk "
                 "(un-normalised q·k)")
 
@@ -150,7 +146,7 @@ class TimmSwinV2CrAdapter(_TimmSwinV2Base):
     description = "timm SwinTransformerV2Cr (swinv2_cr_*)"
     classes = "SwinTransformerV2Cr"
     examples = "`swinv2_cr_tiny_224`, `swinv2_cr_small_ns_224`"
-    supports = ("all (res-post-norm; the main-branch `norm3` is never ablated); attention = "
+    notes = ("res-post-norm (the main-branch `norm3` is never ablated); attention = "
                 "cosine with logit scale + log-coordinate meta-MLP bias; QKSpectra: spectra of Wq^T Wk")
     stages_attr = "stages"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable, Iterator, Optional
 
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ class TorchvisionViTAdapter(FamilyAdapter):
     library = "torchvision"
     classes = "VisionTransformer"
     examples = "`vit_b_16`, `vit_l_16`, `vit_h_14`"
+    notes = "per-head weights asked from `nn.MultiheadAttention` while recording; grayscale input repeats the channel"
     part_names = {"norm1": "ln_1", "mixer": "self_attention", "norm2": "ln_2", "mlp": "mlp"}
     input_conv = "conv_proj"
     mlp_act_name = "1"
@@ -136,6 +138,7 @@ class TorchvisionSwinAdapter(FamilyAdapter):
     library = "torchvision"
     classes = "SwinTransformer (v1 blocks)"
     examples = "`swin_t`, `swin_s`, `swin_b`"
+    notes = "shifted windows as timm Swin; grayscale input repeats the channel"
     part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
     input_conv = "features.0.0"
     mlp_act_name = "1"
@@ -240,7 +243,7 @@ class TorchvisionSwinV2Adapter(TorchvisionSwinAdapter):
     description = "torchvision SwinTransformer v2 (swin_v2_t, swin_v2_s, swin_v2_b)"
     classes = "SwinTransformer (SwinTransformerBlockV2)"
     examples = "`swin_v2_t`, `swin_v2_s`, `swin_v2_b`"
-    supports = ("all (res-post-norm); attention = cosine with logit scale + 16·sigmoid(CPB MLP) bias, "
+    notes = ("res-post-norm; attention = cosine with logit scale + 16·sigmoid(CPB MLP) bias, "
                 "K bias zeroed as torchvision does; QKSpectra: spectra of Wq^T Wk (un-normalised q·k)")
     norm_placement = "post"
 
@@ -251,6 +254,9 @@ class TorchvisionSwinV2Adapter(TorchvisionSwinAdapter):
         blocks = [block for _, stage in _tv_swin_stages(model) for block in stage]
         return bool(blocks) and all(type(block) is tv_swin.SwinTransformerBlockV2
                                     and type(block.attn) is tv_swin.ShiftedWindowAttentionV2 for block in blocks)
+
+    def block_views(self, model: nn.Module) -> list[BlockView]:
+        return [replace(view, attention_form="cosine") for view in super().block_views(model)]
 
     def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
         qkv = block.attn.qkv
