@@ -258,3 +258,20 @@ def test_cosine_blocks_are_flagged_and_their_qk_spectra_are_those_of_wq_wk():
         assert torch.allclose(spectra.positive_mass[head], mass, atol=1e-6)
         singular = torch.linalg.svdvals(form)[: view.head_dim]
         assert torch.allclose(spectra.singular_values[head], singular, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", SWIN_V2 + TOKEN_VITS)
+def test_recording_restores_hooks_and_flags_after_an_exception(family):
+    model = tiny_model(family)
+    x = _images()
+    modules = list(model.modules())
+    before = [(len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "fused_attn", None)) for m in modules]
+    with torch.no_grad():
+        plain = model(x)
+        with pytest.raises(RuntimeError, match="boom"):
+            with record_attention(model), capture(model, "attn"):
+                model(x)
+                raise RuntimeError("boom")
+        assert torch.equal(model(x), plain)
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "fused_attn", None)) for m in modules] == before
+    assert all("forward" not in m.__dict__ for m in modules)
