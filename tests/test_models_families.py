@@ -275,3 +275,20 @@ def test_recording_restores_hooks_and_flags_after_an_exception(family):
         assert torch.equal(model(x), plain)
     assert [(len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "fused_attn", None)) for m in modules] == before
     assert all("forward" not in m.__dict__ for m in modules)
+
+
+@pytest.mark.parametrize("name, grids", [("swinv2_tiny_window8_256", [(64, 64), (32, 32), (16, 16), (8, 8)]),
+                                         ("swin_v2_t", [(56, 56), (28, 28), (14, 14), (7, 7)])])
+def test_swin_v2_tiny_layout(name, grids):
+    """Swin V2-T: depths (2,2,6,2), heads (3,6,12,24), window 8, shifted odd blocks except a one-window stage."""
+    from vitlab.models import build_model
+
+    views = blocks(build_model(name, 2))
+    assert [sum(view.stage == s for view in views) for s in range(4)] == [2, 2, 6, 2]
+    assert {view.stage: view.num_heads for view in views} == {0: 3, 1: 6, 2: 12, 3: 24}
+    assert [view.grid for view in views if view.index == 0] == grids
+    for view in views:
+        one_window = view.grid[0] <= 8
+        assert view.window_size == ((8, 8) if not one_window or name == "swin_v2_t" else view.grid), view.name
+        expected = (4, 4) if view.index % 2 == 1 and not one_window else (0, 0)
+        assert view.shift_size == expected and view.attention_form == "cosine", view.name
