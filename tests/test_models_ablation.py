@@ -68,8 +68,9 @@ def _block_input(view, batch=2):
 def _expected(family, block, x, keep):
     """SPEC §2: a removed branch is x -> x, a removed residual x -> f(x), a removed norm the identity."""
     norm1, branch1, norm2, branch2 = LIBRARY_PARTS[family]
-    for on, norm, branch, norm_on, residual_on in ((keep["mixer"], norm1, branch1, keep["norm1"], keep["residual_mixer"]),
-                                                   (keep["mlp"], norm2, branch2, keep["norm2"], keep["residual_mlp"])):
+    steps = ((keep["mixer"], norm1, branch1, keep["norm1"], keep["residual_mixer"]),
+             (keep["mlp"], norm2, branch2, keep["norm2"], keep["residual_mlp"]))
+    for on, norm, branch, norm_on, residual_on in steps:
         if not on:
             continue
         if family in POST_NORM:  # res-post-norm: the norm acts on the branch output

@@ -168,7 +168,7 @@ def test_token_vit_attention_by_hand(variant):
     with torch.no_grad(), capture(model, ["qkv_input", "attn"]) as record, record_attention(model) as attention:
         recorded_out = model(_images())
     with torch.no_grad():
-        assert torch.allclose(recorded_out, model(_images()), atol=1e-5)  # unchanged while recording (up to fused kernel)
+        assert torch.allclose(recorded_out, model(_images()), atol=1e-5)  # unchanged up to fused-kernel rounding
     for view in blocks(model):
         block, prefix = view.module, view.num_prefix_tokens
         h = torch.cat([record.prefix[view.name]["qkv_input"], record[view.name, "qkv_input"]], 1) if prefix \
@@ -210,7 +210,8 @@ def test_eva_separate_qkv_views_and_beit_k_bias():
     assert torch.equal(entry["k_bias"], torch.zeros_like(entry["k_bias"]))  # EVA has no K bias
     beit = tiny_model("timm-beit")
     entry = qkv(beit)["stage0.block1"]
-    assert torch.equal(entry["q_bias"], beit.blocks[1].attn.q_bias) and torch.equal(entry["v_bias"], beit.blocks[1].attn.v_bias)
+    attn = beit.blocks[1].attn
+    assert torch.equal(entry["q_bias"], attn.q_bias) and torch.equal(entry["v_bias"], attn.v_bias)
     assert torch.equal(entry["k_bias"], torch.zeros_like(entry["k_bias"]))
     view = blocks(beit)[1]
     assert view.rel_pos_table is beit.blocks[1].attn.relative_position_bias_table
@@ -265,7 +266,9 @@ def test_recording_restores_hooks_and_flags_after_an_exception(family):
     model = tiny_model(family)
     x = _images()
     modules = list(model.modules())
-    before = [(len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "fused_attn", None)) for m in modules]
+    state = lambda: [(len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "fused_attn", None))  # noqa: E731
+                     for m in modules]
+    before = state()
     with torch.no_grad():
         plain = model(x)
         with pytest.raises(RuntimeError, match="boom"):
@@ -273,7 +276,7 @@ def test_recording_restores_hooks_and_flags_after_an_exception(family):
                 model(x)
                 raise RuntimeError("boom")
         assert torch.equal(model(x), plain)
-    assert [(len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "fused_attn", None)) for m in modules] == before
+    assert state() == before
     assert all("forward" not in m.__dict__ for m in modules)
 
 

@@ -4,10 +4,12 @@ Every supported pre-norm block computes ``x = x + branch1(norm1(x))`` then ``x =
 (branch1 = attention or token-mixing MLP, branch2 = channel MLP, each including the library's
 LayerScale / drop-path / dropout); a res-post-norm block (Swin V2, adapter ``norm_placement = "post"``)
 computes ``x = x + drop_path(norm1(branch1(x)))`` then ``x = x + drop_path(norm2(branch2(x)))``, so there
-``qkv_input`` / ``mlp_input`` are the stream itself and a removed norm drops the norm inside the branch. :func:`patched_forward` replays exactly the library's operations
-through the family adapter, so with every switch on it is bit-identical to the library forward, while
-switches drop a branch, a norm or a residual, and taps report the intermediate tensors. The forward is
-installed on the block *instance*, so the state_dict is untouched and weights load into patched models.
+``qkv_input`` / ``mlp_input`` are the stream itself and a removed norm drops the norm inside the branch
+(a norm on the stream after both adds, Swin V2-Cr's ``norm3``, is always kept). :func:`patched_forward`
+replays exactly the library's operations through the family adapter, so with every switch on it is
+bit-identical to the library forward, while switches drop a branch, a norm or a residual, and taps report
+the intermediate tensors. The forward is installed on the block *instance*, so the state_dict is untouched
+and weights load into patched models.
 """
 
 from __future__ import annotations
