@@ -295,3 +295,25 @@ def test_swin_v2_tiny_layout(name, grids):
         assert view.window_size == ((8, 8) if not one_window or name == "swin_v2_t" else view.grid), view.name
         expected = (4, 4) if view.index % 2 == 1 and not one_window else (0, 0)
         assert view.shift_size == expected and view.attention_form == "cosine", view.name
+
+
+@pytest.mark.parametrize("overrides", [{}, {"scale_mlp": True}])
+def test_eva_swiglu_hidden_layer_is_gate_times_value(overrides):
+    """EVA-02 SwiGLU: packed GluMlp (silu(first half) * second half), or with ``scale_mlp`` separate
+    fc1_g / fc1_x and a norm before fc2; ``mlp_hidden`` is silu(gate) * value."""
+    model = tiny_model("timm-eva", **overrides)
+    mlp = model.blocks[1].mlp
+    with torch.no_grad(), capture(model, ["mlp_input", "mlp_hidden", "mlp"], blocks=1) as record:
+        model(_images())
+    name = blocks(model)[1].name
+    h = record[name, "mlp_input"]
+    with torch.no_grad():
+        if hasattr(mlp, "fc1_g"):
+            gate, value = h @ mlp.fc1_g.weight.T + mlp.fc1_g.bias, h @ mlp.fc1_x.weight.T + mlp.fc1_x.bias
+        else:
+            gate, value = (h @ mlp.fc1.weight.T + mlp.fc1.bias).chunk(2, dim=-1)
+        hidden = F.silu(gate) * value
+        out = mlp.norm(hidden) @ mlp.fc2.weight.T + mlp.fc2.bias
+    assert isinstance(mlp.norm, torch.nn.LayerNorm) == bool(overrides)
+    assert torch.allclose(record[name, "mlp_hidden"], hidden, atol=1e-5)
+    assert torch.allclose(record[name, "mlp"], out, atol=1e-5)  # no LayerScale in EVA-02 tiny
