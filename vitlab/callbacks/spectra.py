@@ -93,6 +93,10 @@ class QKSpectra(EpochCallback, pl.Callback):
     eigenvalues of the symmetric and antisymmetric parts and the singular values; a blocks x heads
     positive-mass heatmap; and ``<run>/qkv/spectra_epoch_{k:03d}.csv`` per block and head.
 
+    Cosine-attention models (Swin V2) get the spectra of the same Wq^T Wk, the bilinear form of the
+    un-normalised q.k: sign structure and effective rank carry over to the cosine logits, singular-value
+    magnitudes do not (see :mod:`vitlab.analysis.spectra`).
+
     Args:
         every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
         write_csv: Write the per-head CSV table.

@@ -3,13 +3,14 @@
 Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normalization`,
 :func:`parameter_groups`, :func:`freeze`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.
 Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_attention`,
-:func:`capture`, :func:`forward_until`. Supported families: timm ViT/DeiT, timm Swin (v1), timm
-MLP-Mixer, torchvision ViT and torchvision Swin (v1); one adapter each in ``timm_families`` /
-``torchvision_families``.
+:func:`capture`, :func:`forward_until`. Supported families (:func:`families_table`): timm ViT/DeiT,
+Swin V1, Swin V2 / V2-Cr, Eva, Beit, ViT-RelPos, MLP-Mixer; torchvision ViT, Swin V1 and V2; one adapter
+each in ``timm_families`` / ``timm_swin_v2`` / ``timm_relpos_families`` / ``torchvision_families`` (see
+:mod:`vitlab.models.adapter` for the registry).
 """
 
 from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
-from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, supported_families
+from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, families_table, supported_families
 from vitlab.models.anatomy import (
     blocks,
     embeddings,
@@ -48,6 +49,7 @@ __all__ = [
     "capture",
     "dense_window_attention",
     "embeddings",
+    "families_table",
     "family_name",
     "forward_until",
     "freeze",

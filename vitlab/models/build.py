@@ -26,7 +26,7 @@ __all__ = [
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-TIMM_PREFIXES = ("vit_", "deit_", "deit3_", "swin_", "mixer_")
+TIMM_PREFIXES = ("vit_", "deit_", "deit3_", "swin_", "mixer_", "swinv2_", "eva", "beit")
 _PROBE_TIMEOUT_S = 3.0
 
 # torchvision architectures: constructor arguments of the named builders (torchvision 0.29)
@@ -42,6 +42,13 @@ TORCHVISION_MODELS: dict[str, dict[str, Any]] = {
                    window_size=[7, 7], stochastic_depth_prob=0.3),
     "swin_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
                    window_size=[7, 7], stochastic_depth_prob=0.5),
+    # Swin V2: SwinTransformerBlockV2 + PatchMergingV2 (added by _build_torchvision for names swin_v2_*)
+    "swin_v2_t": dict(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+                      window_size=[8, 8], stochastic_depth_prob=0.2),
+    "swin_v2_s": dict(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24],
+                      window_size=[8, 8], stochastic_depth_prob=0.3),
+    "swin_v2_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
+                      window_size=[8, 8], stochastic_depth_prob=0.5),
 }
 _LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision"}
 
@@ -220,6 +227,10 @@ def _build_torchvision(name: str, arch: str, num_classes: int, in_chans: int,
             for key in ("patch_size", "window_size"):
                 if isinstance(config[key], int):
                     config[key] = [config[key], config[key]]
+            if arch.startswith("swin_v2_"):
+                from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2
+
+                config.update(block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2)
             model = SwinTransformer(num_classes=num_classes, **config)
             model.image_size = image_size  # the configured input size (torchvision Swin accepts any)
             conv_path = "features.0.0"
@@ -256,7 +267,7 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
 
     Args:
         name: A timm name (``vit_*``, ``deit_*``, ``swin_*``, ``mixer_*``) or a torchvision name
-            (``vit_b_16`` ... ``vit_h_14``, ``swin_t/s/b``); ``timm:`` / ``torchvision:`` / ``tv:``
+            (``vit_b_16`` ... ``vit_h_14``, ``swin_t/s/b``, ``swin_v2_t/s/b``); ``timm:`` / ``torchvision:`` / ``tv:``
             prefixes choose the library explicitly.
         num_classes: Classifier outputs.
         in_chans: Image channels (1 for grayscale). torchvision models repeat a grayscale channel.

@@ -17,9 +17,9 @@ from vitlab.models.blockpatch import patch_block, release_block
 __all__ = ["CAPTURE_SITES", "Capture", "capture", "forward_until"]
 
 CAPTURE_SITES = {
-    "qkv_input": "norm1 output: the input of Q/K/V (or of the token-mixing MLP)",
-    "attn": "attention (token-mixing) branch output before the residual add; Swin un-windowed",
-    "mlp_input": "norm2 output: the MLP input",
+    "qkv_input": "norm1 output: the input of Q/K/V (or of the token-mixing MLP); post-norm Swin V2: the block input",
+    "attn": "attention (token-mixing) branch output before the residual add; Swin un-windowed; post-norm: after norm1",
+    "mlp_input": "norm2 output: the MLP input; post-norm Swin V2: the stream entering the MLP",
     "mlp_hidden": "MLP hidden layer after the activation",
     "mlp": "MLP branch output before the residual add",
     "resid": "residual stream after the block",
