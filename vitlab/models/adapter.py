@@ -10,6 +10,7 @@ adding one :class:`FamilyAdapter` subclass and registering it with :func:`regist
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional
@@ -154,7 +155,8 @@ class FamilyAdapter:
         return int(getattr(conv, "in_chans", conv.in_channels))
 
     def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
-        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``)."""
+        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``).
+        Families with separate projections return the tuples (W_q, W_k, W_v) and (b_q, b_k, b_v) or None."""
         qkv = self._attention(block).qkv
         return qkv.weight, qkv.bias
 
@@ -180,6 +182,15 @@ class FamilyAdapter:
     def mlp_branch(self, block: nn.Module, h: Tensor) -> Tensor:
         """Channel-MLP branch on the normalised input, up to (excluding) the residual add."""
         raise NotImplementedError
+
+    def block_output(self, x: Tensor):
+        """What the library block returns for the output stream ``x`` (default: ``x`` itself)."""
+        return x
+
+    def runtime_grid(self, block: nn.Module, args: tuple) -> tuple[int, int]:
+        """Swin only: the token grid (H, W) of a block call from its positional ``args`` (default: the
+        (B, H, W, C) input's shape)."""
+        return (int(args[0].shape[1]), int(args[0].shape[2]))
 
     def to_mlp_layout(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
         """Reshape the stream between the two branches as the library does; returns (x, undo)."""
@@ -281,6 +292,8 @@ def _load_builtin_adapters() -> None:
     """Import the built-in adapter modules (they register themselves)."""
     if not _REGISTRY:
         from vitlab.models import timm_families, torchvision_families  # noqa: F401
+    if "transformers" in sys.modules and "vitlab.models.hf_families" not in sys.modules:
+        from vitlab.models import hf_families  # noqa: F401  (optional extra: only once transformers is in use)
 
 
 def window_slot_tokens(

@@ -61,14 +61,15 @@ def _emit(taps: dict[str, list[Callable[[Tensor], None]]], site: str, tensor: Te
         tap(tensor)
 
 
-def patched_forward(block: nn.Module, x: Tensor, **kwargs) -> Tensor:
-    """The block forward with switches and taps (x: (B, N, C), or (B, H, W, C) for Swin)."""
+def patched_forward(block: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    """The block forward with switches and taps (x: (B, N, C), or (B, H, W, C) for Swin); further
+    arguments of the library call go to the token-mixing branch."""
     state: BlockState = block.__dict__[_STATE_KEY]
     switches, taps, adapter = state.switches, state.taps, state.adapter
     if switches.mixer:
         h = state.norm1(x) if switches.norm1 else x
         _emit(taps, "qkv_input", h)
-        branch = adapter.mixer_branch(block, h, **kwargs)
+        branch = adapter.mixer_branch(block, h, *args, **kwargs)
         _emit(taps, "attn", branch)
         x = x + branch if switches.residual_mixer else branch
     x, undo_layout = adapter.to_mlp_layout(x)
@@ -80,7 +81,7 @@ def patched_forward(block: nn.Module, x: Tensor, **kwargs) -> Tensor:
         x = x + branch if switches.residual_mlp else branch
     x = undo_layout(x)
     _emit(taps, "resid", x)
-    return x
+    return adapter.block_output(x)
 
 
 def block_state(block: nn.Module) -> BlockState | None:
