@@ -32,6 +32,7 @@ HF_MODEL_TYPES: dict[str, tuple[str, dict[str, Any], tuple]] = {
     "swin": ("SwinForImageClassification", {"interpolate_pos_encoding": True}, _IMAGENET),
 }
 _NO_DECAY = {"position_embeddings", "cls_token", "register_tokens", "mask_token", "relative_position_bias_table"}
+_DERIVED_FIELDS = {"out_features", "out_indices", "stage_names", "model_type", "transformers_version"}
 _INSTALL_HINT = 'Hugging Face models need the optional extra: pip install -e ".[hf]" (installs transformers)'
 
 
@@ -113,12 +114,15 @@ def _config(name: str, source: str, kwargs: dict[str, Any]):
     if config.model_type not in HF_MODEL_TYPES:
         raise UnsupportedModelError(f"Hugging Face model {name!r} is a {config.model_type!r} model: vitlab "
                                     f"supports the model types {', '.join(HF_MODEL_TYPES)}")
-    for key, value in kwargs.items():
+    for key in kwargs:
         if not hasattr(config, key):
             raise ValueError(f"bad keyword argument {key!r} for Hugging Face model {name!r}: not a field of "
                              f"{type(config).__name__}")
-        setattr(config, key, value)
-    return config
+    if not kwargs:
+        return config
+    # rebuild through the constructor so derived fields (e.g. DINOv2's backbone stage names) follow
+    fields = {key: value for key, value in config.to_dict().items() if key not in _DERIVED_FIELDS}
+    return type(config)(**{**fields, **kwargs})
 
 
 def load_hf_pretrained(model: HFClassifier, source: str, name: str):
