@@ -133,11 +133,18 @@ def load_hf_pretrained(model: HFClassifier, source: str, name: str):
     """
     from vitlab.models.weights import load_weights
 
+    from transformers.utils import logging as hf_logging
+
     library_class = type(model.hf)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         loaded, info = library_class.from_pretrained(source, output_loading_info=True)
     except (OSError, ValueError) as error:
         raise _unavailable(name, error) from error
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     missing = set(info.get("missing_keys", ()))  # e.g. the head of a folder saved from a base model
     state = {f"hf.{key}": value for key, value in loaded.state_dict().items() if key not in missing}
     report = load_weights(model, state)
