@@ -158,3 +158,82 @@ def test_fit_hf_model_with_qkv_callbacks(tiny_dataset, tmp_path):
     events.Reload()
     for tag in ["val/acc", "drift/rel_frobenius/stage0.block1.k", "spectra/positive_mass/stage0.block0"]:
         assert tag in events.Tags()["scalars"], tag
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """Randomised tiny grayscale HF models saved as save_pretrained folders (what --weights points at)."""
+    root, folders = tmp_path_factory.mktemp("hf-weights"), {}
+    for variant in ("dinov2-registers", "swin"):
+        tiny_hf(variant, num_classes=2, in_chans=1, seed=1).hf.save_pretrained(root / variant)
+        folders[variant] = root / variant
+    return folders
+
+
+def _probe_args(variant, folders):
+    name, kwargs = HF_TINY[variant]
+    return ["--model", name, "--model-kwargs", json.dumps(kwargs), "--weights", str(folders[variant]),
+            "--num-classes", "2", "--in-chans", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["dinov2-registers", "swin"])
+def test_attention_and_spectra_probes_match_direct_computation(variant, hf_folders, tiny_dataset, tmp_path):
+    import csv
+    from pathlib import Path
+
+    from vitlab.analysis.spectra import qk_spectra
+    from vitlab.analysis.stats import attention_vs_angle
+    from vitlab.probes import main
+    from vitlab.probes.common import LoadedModel, load_images
+
+    images = Path(tiny_dataset).parent
+    main(["attention", *_probe_args(variant, hf_folders), "--images", str(images), "--num-images", "4",
+          "--out", str(tmp_path / "att")])
+    main(["spectra", *_probe_args(variant, hf_folders), "--out", str(tmp_path / "spec")])
+    name, kwargs = HF_TINY[variant]
+    model = build_model(name, 2, in_chans=1, weights=hf_folders[variant], **kwargs).eval()
+    import argparse
+
+    namespace = argparse.Namespace(images=[str(images)], num_images=4, split="val", seed=0)
+    inputs = load_images(namespace, LoadedModel(model, "m", "test"), 10_000).inputs
+    from vitlab.models import capture, qkv, record_attention
+
+    with torch.no_grad(), record_attention(model) as rec, capture(model, "qkv_input") as cap:
+        model(inputs)
+    masses = list(csv.DictReader(open(tmp_path / "att" / "attention_mass.csv")))
+    spectra = list(csv.DictReader(open(tmp_path / "spec" / "spectra.csv")))
+    views = {view.name: view for view in blocks(model)}
+    assert {row["layer"] for row in masses} == set(views)
+    for row in masses:
+        view = views[row["layer"]]
+        prefix = view.num_prefix_tokens  # DINOv2 registers: class token + 2 registers dropped
+        probs = rec.dense(view.name)[:, :, prefix:, prefix:]
+        expected = attention_vs_angle(probs, cap[view.name, "qkv_input"], 5.0)
+        for key in ("mass_below_90", "mass_above_90", "self_attention"):
+            assert float(row[key]) == pytest.approx(float(getattr(expected, key)[int(row["head"])]), rel=1e-4)
+    for block, parts in qkv(model).items():
+        result = qk_spectra(parts["q"], parts["k"], views[block].num_heads)
+        for row in (row for row in spectra if row["block"] == block and row["head"] != "sum"):
+            assert float(row["positive_mass"]) == pytest.approx(float(result.positive_mass[int(row["head"])]), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("subcommand, extra", [
+    ("mi", ["--num-images", "8", "--blocks", "0"]), ("stats", ["--num-images", "8"]), ("filters", []),
+    ("ablate", ["--ablate", "residual", "--num-images", "2", "--steps", "3", "--noise-draws", "1", "--layers", "embed"]),
+    ("invert", ["--num-images", "2", "--steps", "3", "--noise-draws", "1", "--layers", "embed,0"]),
+    ("transplant", ["--parts", "patch_embed", "--num-images", "2", "--steps", "3", "--noise-draws", "1",
+                    "--layers", "embed"]),
+    ("visualize", ["--steps", "3", "--classes", "0", "--every", "3"]),
+])
+def test_other_probes_run_on_hf_models(subcommand, extra, hf_folders, tiny_dataset, tmp_path):
+    from pathlib import Path
+
+    from vitlab.probes import main
+
+    images = [] if subcommand in ("filters", "visualize") else ["--images", str(Path(tiny_dataset).parent)]
+    out = tmp_path / subcommand
+    main([subcommand, *_probe_args("dinov2-registers", hf_folders), *images, *extra, "--out", str(out)])
+    written = {path.suffix for path in out.iterdir()}
+    assert ".csv" in written and any(path.name.startswith("events.out.tfevents") for path in out.iterdir())
