@@ -15,6 +15,7 @@ from vitlab.models import (  # noqa: E402
     blocks,
     build_model,
     embeddings,
+    family_name,
     input_size,
     layer_ids,
     normalization,
@@ -106,6 +107,19 @@ def test_errors_are_clear(tmp_path):
         build_model("hf:vit", 3, pretrained=True)
     with pytest.raises(FileNotFoundError, match="or a save_pretrained folder for hf: models"):
         build_model("hf:vit", 3, weights=tmp_path / "missing")
+
+
+def test_missing_extra_is_one_clear_error(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # as if not installed
+    with pytest.raises(ImportError, match=r'need the optional extra: pip install -e "\.\[hf\]"'):
+        build_model("hf:vit", 3)
+    assert family_name(tiny_timm_vit()) == "timm-vit"  # the other families are unaffected
+
+
+def tiny_timm_vit():
+    from vitlab.models.testing import tiny_model
+
+    return tiny_model("timm-vit")
 
 
 @pytest.mark.parametrize("variant", ["dinov2-registers", "swin"])

@@ -292,7 +292,7 @@ def _load_builtin_adapters() -> None:
     """Import the built-in adapter modules (they register themselves)."""
     if not _REGISTRY:
         from vitlab.models import timm_families, torchvision_families  # noqa: F401
-    if "transformers" in sys.modules and "vitlab.models.hf_families" not in sys.modules:
+    if sys.modules.get("transformers") is not None and "vitlab.models.hf_families" not in sys.modules:
         from vitlab.models import hf_families  # noqa: F401  (optional extra: only once transformers is in use)
 
 
