@@ -246,3 +246,35 @@ def test_transplant_copies_only_the_parts(variant):
         {f"{views[0].qualname}.layernorm_before.weight", f"{views[0].qualname}.layernorm_before.bias"}
     for key, value in target.state_dict().items():
         assert torch.equal(value, source.state_dict()[key] if key in copied else before[key]), key
+
+
+def test_swin_padded_windows_recomputed_by_hand():
+    """40 px: grids 10 and 5 do not tile into 4-windows; the library pads (zeros after the norm), then rolls."""
+    from vitlab.models import build_model
+
+    name, kwargs = HF_TINY["swin"]
+    model = randomize_parameters(build_model(name, 3, **dict(kwargs, image_size=40))).eval()
+    weights, projections = qkv(model), out_proj(model)
+    with torch.no_grad(), capture(model, ["qkv_input", "attn"]) as record, record_attention(model) as attention:
+        model(_images(size=40))
+    views = blocks(model)
+    assert [view.grid for view in views] == [(10, 10), (10, 10), (5, 5), (5, 5)]
+    for view in views:
+        height, width = view.grid
+        padded_h, padded_w = -(-height // 4) * 4, -(-width // 4) * 4
+        h = record[view.name, "qkv_input"].unflatten(1, (height, width))
+        h = torch.nn.functional.pad(h, (0, 0, 0, padded_w - width, 0, padded_h - height))
+        expected, probs, _ = _window_attention_by_hand(h, weights[view.name], projections[view.name], view)
+        assert torch.allclose(attention.attentions[view.name], probs, atol=1e-5), view.name
+        expected = expected[:, :height, :width].flatten(1, 2)
+        assert torch.allclose(record[view.name, "attn"], expected, atol=1e-5), view.name
+        dense = attention.dense(view.name)  # pad keys' share dropped: rows sum to at most 1
+        assert dense.shape[-1] == height * width and (dense.sum(-1) <= 1 + 1e-5).all()
+        # token order check: pad keys are zeros after the norm, so their value is v_bias alone
+        w = weights[view.name]
+        tokens = record[view.name, "qkv_input"]
+        values = (tokens @ w["v"].T + w["v_bias"]).unflatten(-1, (view.num_heads, -1)).transpose(1, 2)
+        pad_share = (1 - dense.sum(-1, keepdim=True))  # (B, heads, N, 1)
+        mixed = dense @ values + pad_share * w["v_bias"].unflatten(-1, (view.num_heads, -1))[None, :, None]
+        out = mixed.transpose(1, 2).flatten(2) @ projections[view.name]["weight"].T + projections[view.name]["bias"]
+        assert torch.allclose(out, record[view.name, "attn"], atol=1e-5), view.name
