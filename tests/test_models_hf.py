@@ -278,3 +278,26 @@ def test_swin_padded_windows_recomputed_by_hand():
         mixed = dense @ values + pad_share * w["v_bias"].unflatten(-1, (view.num_heads, -1))[None, :, None]
         out = mixed.transpose(1, 2).flatten(2) @ projections[view.name]["weight"].T + projections[view.name]["bias"]
         assert torch.allclose(out, record[view.name, "attn"], atol=1e-5), view.name
+
+
+def test_bare_library_models_open_too():
+    """A bare Dinov2Model / a ViTForImageClassification made with transformers directly (no vitlab wrapper)."""
+    import transformers
+
+    bare = transformers.Dinov2Model(transformers.Dinov2Config(**dict(PLAIN, mlp_ratio=2)))
+    classifier = transformers.ViTForImageClassification(transformers.ViTConfig(**dict(PLAIN, intermediate_size=64),
+                                                                               num_labels=3))
+    for model, qualname, head in [(bare, "encoder.layer.1", ["pooler."]),
+                                  (classifier, "vit.layers.1", ["classifier.", "vit.pooler."])]:
+        model = randomize_parameters(model).eval()
+        view = blocks(model)[1]
+        assert view.qualname == qualname and view.module is model.get_submodule(qualname)
+        from vitlab.models import part_prefixes
+
+        assert list(part_prefixes(model, "head")) == head
+        x = _images()
+        with torch.no_grad(), record_attention(model) as record:
+            model(x)
+        assert record.attentions[view.name].shape == (2, 2, 17, 17)
+        assert torch.equal(forward_until(model, x, 1), _call_block(view, forward_until(model, x, 0)))
+        assert qkv(model)[view.name]["q"].data_ptr() == view.module.attention.q_proj.weight.data_ptr()
