@@ -127,7 +127,9 @@ def test_parameter_groups_and_layer_ids(variant):
     model = tiny_hf(variant)
     groups = parameter_groups(model, weight_decay=0.05, layer_decay=0.75)
     grouped = [id(param) for group in groups for param in group["params"]]
-    assert sorted(grouped) == sorted(id(param) for param in model.parameters())
+    assert sorted(grouped) == sorted(id(param) for param in model.parameters() if param.requires_grad)
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+    assert frozen == (["hf.dinov2_with_registers.embeddings.mask_token"] if variant != "swin" else [])
     no_decay = {id(param) for group in groups if group["weight_decay"] == 0 for param in group["params"]}
     ids, views = layer_ids(model), blocks(model)
     for name, param in model.named_parameters():

@@ -60,6 +60,9 @@ class HFClassifier(nn.Module):
         model_type = hf_model.config.model_type
         _, self._forward_kwargs, (default_mean, default_std) = HF_MODEL_TYPES[model_type]
         self.pretrained_cfg = {"mean": tuple(mean or default_mean), "std": tuple(std or default_std)}
+        for name, param in self.named_parameters():
+            if name.endswith("mask_token"):  # masked-image pretraining only: no gradient here (DDP-safe)
+                param.requires_grad_(False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.hf(pixel_values=x, **self._forward_kwargs).logits
