@@ -31,6 +31,7 @@ first use (a module whose library is not installed, e.g. an optional extra, is s
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional
@@ -194,7 +195,8 @@ class FamilyAdapter:
         return int(getattr(conv, "in_chans", conv.in_channels))
 
     def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
-        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``)."""
+        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``).
+        Families with separate projections return the tuples (W_q, W_k, W_v) and (b_q, b_k, b_v) or None."""
         qkv = self._attention(block).qkv
         return qkv.weight, qkv.bias
 
@@ -222,6 +224,15 @@ class FamilyAdapter:
         """Channel-MLP branch on the normalised input, up to (excluding) the residual add (post-norm:
         on the stream, with ``norm``)."""
         raise NotImplementedError
+
+    def block_output(self, x: Tensor):
+        """What the library block returns for the output stream ``x`` (default: ``x`` itself)."""
+        return x
+
+    def runtime_grid(self, block: nn.Module, args: tuple) -> tuple[int, int]:
+        """Swin only: the token grid (H, W) of a block call from its positional ``args`` (default: the
+        (B, H, W, C) input's shape)."""
+        return (int(args[0].shape[1]), int(args[0].shape[2]))
 
     def to_mlp_layout(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
         """Reshape the stream between the two branches as the library does; returns (x, undo)."""
@@ -307,10 +318,16 @@ def supported_families() -> list[str]:
 
 def families_table() -> str:
     """The registry as a Markdown table (library, class, example names, what is supported), one row per
-    adapter in registry order: the README's "Supported model families" section."""
+    adapter in registry order: the README's "Supported model families" section (the Hugging Face rows
+    when the ``hf`` extra is installed)."""
     _load_builtin_adapters()
+    try:  # the optional extra's adapters load lazily elsewhere (importing transformers is slow)
+        import vitlab.models.hf_families  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name != "transformers":
+            raise
     lines = ["| library | class | example names | family id | supported |", "| --- | --- | --- | --- | --- |"]
-    for adapter in _REGISTRY:
+    for adapter in sorted(_REGISTRY, key=lambda a: a.library.startswith("transformers")):
         supported = adapter.supports + (f"; {adapter.notes}" if adapter.notes else "")
         cells = [adapter.library, adapter.classes, adapter.examples, f"`{adapter.family}`", supported]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
@@ -358,6 +375,8 @@ def _load_builtin_adapters() -> None:
         except ModuleNotFoundError as error:  # an optional extra (e.g. transformers) is not installed
             if error.name is not None and module.startswith(error.name):
                 raise
+    if sys.modules.get("transformers") is not None and "vitlab.models.hf_families" not in sys.modules:
+        from vitlab.models import hf_families  # noqa: F401  (optional extra: only once transformers is in use)
 
 
 def window_slot_tokens(

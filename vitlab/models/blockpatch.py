@@ -65,19 +65,20 @@ def _emit(taps: dict[str, list[Callable[[Tensor], None]]], site: str, tensor: Te
         tap(tensor)
 
 
-def patched_forward(block: nn.Module, x: Tensor, **kwargs) -> Tensor:
-    """The block forward with switches and taps (x: (B, N, C), or (B, H, W, C) for Swin)."""
+def patched_forward(block: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    """The block forward with switches and taps (x: (B, N, C), or (B, H, W, C) for Swin); further
+    arguments of the library call go to the token-mixing branch."""
     state: BlockState = block.__dict__[_STATE_KEY]
     switches, taps, adapter = state.switches, state.taps, state.adapter
     post = adapter.norm_placement == "post"
     if switches.mixer:
         if post:
             _emit(taps, "qkv_input", x)
-            branch = adapter.mixer_branch(block, x, norm=state.norm1 if switches.norm1 else _identity, **kwargs)
+            branch = adapter.mixer_branch(block, x, *args, norm=state.norm1 if switches.norm1 else _identity, **kwargs)
         else:
             h = state.norm1(x) if switches.norm1 else x
             _emit(taps, "qkv_input", h)
-            branch = adapter.mixer_branch(block, h, **kwargs)
+            branch = adapter.mixer_branch(block, h, *args, **kwargs)
         _emit(taps, "attn", branch)
         x = x + branch if switches.residual_mixer else branch
     x, undo_layout = adapter.to_mlp_layout(x)
@@ -93,7 +94,7 @@ def patched_forward(block: nn.Module, x: Tensor, **kwargs) -> Tensor:
         x = x + branch if switches.residual_mlp else branch
     x = undo_layout(adapter.main_branch_norm(block, x))
     _emit(taps, "resid", x)
-    return x
+    return adapter.block_output(x)
 
 
 def _identity(x: Tensor) -> Tensor:

@@ -50,7 +50,7 @@ TORCHVISION_MODELS: dict[str, dict[str, Any]] = {
     "swin_v2_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
                       window_size=[8, 8], stochastic_depth_prob=0.5),
 }
-_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision"}
+_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf"}
 
 
 class PretrainedWeightsUnavailable(RuntimeError):
@@ -268,12 +268,14 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
     Args:
         name: A timm name (``vit_*``, ``deit_*``, ``swin_*``, ``mixer_*``) or a torchvision name
             (``vit_b_16`` ... ``vit_h_14``, ``swin_t/s/b``, ``swin_v2_t/s/b``); ``timm:`` / ``torchvision:`` / ``tv:``
-            prefixes choose the library explicitly.
+            prefixes choose the library explicitly. ``hf:<model type | folder | hub id>`` builds a Hugging
+            Face ``transformers`` ViT / DINOv2 / Swin (optional extra, see :mod:`vitlab.models.hf_build`).
         num_classes: Classifier outputs.
         in_chans: Image channels (1 for grayscale). torchvision models repeat a grayscale channel.
         pretrained: Load the library's ImageNet weights (fails fast offline unless cached).
         weights: A local weights file (state dict, ``.safetensors`` or vitlab Lightning checkpoint);
-            takes precedence over ``pretrained``. Head and first conv are adapted as needed.
+            takes precedence over ``pretrained``. Head and first conv are adapted as needed. For ``hf:``
+            models also a ``save_pretrained`` folder.
         **kwargs: Passed to the constructor (e.g. ``img_size=32, embed_dim=32, depth=2`` for timm;
             ``image_size, patch_size, num_layers, hidden_dim ...`` for torchvision).
 
@@ -292,10 +294,17 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
         raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
     if weights is not None:
         weights = Path(weights).expanduser()
-        if not weights.is_file():
-            raise FileNotFoundError(f"weights file not found: {weights} (model.weights must be an existing file)")
+        if not weights.is_file() and not (library == "hf" and weights.is_dir()):
+            raise FileNotFoundError(f"weights file not found: {weights} (model.weights must be an existing file, "
+                                    f"or a save_pretrained folder for hf: models)")
         pretrained = False
-    if library == "timm":
+    if library == "hf":  # optional extra: transformers is imported only here
+        from vitlab.models.hf_build import build_hf
+
+        folder = weights if weights is not None and weights.is_dir() else None
+        model = build_hf(name, arch, num_classes, in_chans, pretrained, folder, dict(kwargs))
+        weights = None if folder is not None else weights
+    elif library == "timm":
         model = _build_timm(name, arch, num_classes, in_chans, pretrained, dict(kwargs))
     else:
         source = _torchvision_pretrained_file(name, arch) if pretrained else None

@@ -169,7 +169,7 @@ class _StopForward(Exception):
 
 
 def _raise_output(module: nn.Module, args: tuple, output: Tensor) -> None:
-    raise _StopForward(output)
+    raise _StopForward(output[0] if isinstance(output, tuple) else output)  # HF Swin: (stream, weights)
 
 
 def _raise_input(module: nn.Module, args: tuple) -> None:
