@@ -195,10 +195,16 @@ class ImageStream:
     labelled: bool
     class_names: list[str] | None = None
 
+    def pixel_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(b, C, H, W) pixels in [0, 1] and (b,) labels (None when unlabelled), in order."""
+        for start in range(0, self.count, batch_size):
+            items = [self.read(i) for i in range(start, min(start + batch_size, self.count))]
+            labels = torch.tensor([label for _, label, _ in items]) if self.labelled else None
+            yield torch.stack([pixel for pixel, _, _ in items]), labels
+
     def batches(self, batch_size: int) -> Iterator[torch.Tensor]:
         """Normalised model inputs (b, C, H, W), the same values as ``load_images(...).inputs``, in order."""
-        for start in range(0, self.count, batch_size):
-            pixels = torch.stack([self.read(i)[0] for i in range(start, min(start + batch_size, self.count))])
+        for pixels, _ in self.pixel_batches(batch_size):
             yield _finish(pixels, None, [], None, self.mean, self.std).inputs
 
 
