@@ -25,6 +25,8 @@ centre channels is paired with the same channel at every token (mi_same) and wit
 MI in nats, averaged over the tokens at each distance and over the centre channels. Gaussian-copula estimate,
 with equal-frequency bins + Miller-Madow beside it (flag_nonmonotone where binned exceeds it by > 0.05 nats) and KSG
 (sklearn) on a few random pairs. Writes a figure per block, mi.csv and mi_ksg.csv.
+Memory stays bounded: images are read one batch at a time and the kept neurons (N x tokens x (K + C') channels
+per block and sub-layer, fp16; 1.5 GB for ViT-B/16 at N = 2000) wait in a temporary file inside --out.
 
 example:
   python probe.py mi --checkpoint runs/medical_swin/version_0/checkpoints/last.ckpt --images /data/scans --num-images 2000
