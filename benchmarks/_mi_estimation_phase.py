@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     writer = SummaryWriter(str(out))
     ctx = ProbeContext(args=args, subcommand="mi", out=out, device=torch.device("cpu"), writer=writer, loaded=None)
-    with NeuronStore(out, count) as neurons:
+    with tempfile.TemporaryDirectory(dir=out) as spill, NeuronStore(Path(spill), count) as neurons:
         for view in views:
             tokens = view.grid[0] * view.grid[1]
             for site in sites:
