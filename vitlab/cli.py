@@ -11,6 +11,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from vitlab.data import MedicalDataModule
+from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: F401 - Lightning-free, shared with probe.py
 from vitlab.training import ClassificationModule
 
 TENSORBOARD_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
@@ -128,27 +129,4 @@ def train_main(args: list[str] | None = None) -> None:
     try:
         fit(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        _exit_with_message(err)
-
-
-def _exit_with_message(err: BaseException) -> None:
-    """User errors end in one line (``VITLAB_DEBUG=1`` shows the traceback)."""
-    if os.environ.get("VITLAB_DEBUG") or not _is_user_error(err):
-        raise err
-    print(f"vitlab: error: {err}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _is_user_error(err: BaseException) -> bool:
-    module = type(err).__module__ or ""
-    return module.startswith("vitlab") or type(err) in (ValueError, FileNotFoundError, FileExistsError)
-
-
-def probe_main(args: list[str] | None = None) -> None:
-    """Entry point of ``probe.py``."""
-    from vitlab.probes import main
-
-    try:
-        main(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as err:
         _exit_with_message(err)

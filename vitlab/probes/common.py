@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -177,6 +177,39 @@ class ImageBatch:
 
 def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageBatch:
     """Images from --images, else the split of --config's data section, else of the embedded dataset."""
+    stream = image_stream(args, loaded, default_count, split)
+    items = [stream.read(i) for i in range(stream.count)]
+    pixels = torch.stack([pixel for pixel, _, _ in items])
+    labels = torch.tensor([label for _, label, _ in items]) if stream.labelled else None
+    return _finish(pixels, labels, [name for _, _, name in items], stream.class_names, stream.mean, stream.std)
+
+
+@dataclass
+class ImageStream:
+    """The probe images of :func:`load_images`, read on demand: memory holds one batch, not all N images."""
+
+    count: int
+    read: Callable[[int], tuple[torch.Tensor, int | None, str]]  # i -> ((C, H, W) pixels in [0, 1], label, name)
+    mean: list[float]
+    std: list[float]
+    labelled: bool
+    class_names: list[str] | None = None
+
+    def pixel_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(b, C, H, W) pixels in [0, 1] and (b,) labels (None when unlabelled), in order."""
+        for start in range(0, self.count, batch_size):
+            items = [self.read(i) for i in range(start, min(start + batch_size, self.count))]
+            labels = torch.tensor([label for _, label, _ in items]) if self.labelled else None
+            yield torch.stack([pixel for pixel, _, _ in items]), labels
+
+    def batches(self, batch_size: int) -> Iterator[torch.Tensor]:
+        """Normalised model inputs (b, C, H, W), the same values as ``load_images(...).inputs``, in order."""
+        for pixels, _ in self.pixel_batches(batch_size):
+            yield _finish(pixels, None, [], None, self.mean, self.std).inputs
+
+
+def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageStream:
+    """The images :func:`load_images` would return, as a stream (the files are listed, not read)."""
     from vitlab.data import MedicalDataModule, read_image
 
     in_chans, height, width = models.input_size(loaded.model)
@@ -185,32 +218,22 @@ def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: in
     if count < 1:
         raise ValueError(f"--num-images must be >= 1, got {count}")
     split = split or args.split
-    labels = None
-    class_names = None
     if args.images:
-        files = _expand_images(args.images)
-        arrays = [read_image(f) for f in files[:count]]
-        names = [str(f) for f in files[:count]]
-    else:
-        dm = MedicalDataModule(**{**_datamodule_args(loaded.data or {}), "in_chans": in_chans, "image_size": height, "augment": "none", "num_workers": 0, "mean": [0.0] * in_chans, "std": [1.0] * in_chans})
-        samples = dm.samples(split)
-        if not samples:
-            raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
-        generator = torch.Generator().manual_seed(args.seed)
-        order = torch.randperm(len(samples), generator=generator)[:count].tolist()
-        dataset = dm.dataset(split)
-        pixels, label_list = [], []
-        for i in order:
-            image, label = dataset[i]
-            pixels.append(image)
-            label_list.append(int(label))
-        names = [str(samples[i].path) for i in order]
-        batch = torch.stack(pixels).float()
-        labels = torch.tensor(label_list)
-        class_names = dm.class_names
-        return _finish(batch.clamp(0, 1), labels, names, class_names, mean, std)
-    batch = torch.stack([_to_tensor(a, in_chans, height, width) for a in arrays])
-    return _finish(batch, labels, names, class_names, mean, std)
+        files = _expand_images(args.images)[:count]
+        return ImageStream(len(files), lambda i: (_to_tensor(read_image(files[i]), in_chans, height, width), None, str(files[i])), mean, std, False)
+    dm = MedicalDataModule(**{**_datamodule_args(loaded.data or {}), "in_chans": in_chans, "image_size": height, "augment": "none", "num_workers": 0, "mean": [0.0] * in_chans, "std": [1.0] * in_chans})
+    samples = dm.samples(split)
+    if not samples:
+        raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(samples), generator=generator)[:count].tolist()
+    dataset = dm.dataset(split)
+
+    def read(i: int) -> tuple[torch.Tensor, int, str]:
+        image, label = dataset[order[i]]
+        return image.float().clamp(0, 1), int(label), str(samples[order[i]].path)
+
+    return ImageStream(len(order), read, mean, std, True, dm.class_names)
 
 
 def _finish(pixels, labels, names, class_names, mean, std) -> ImageBatch:
@@ -287,6 +310,10 @@ class ProbeContext:
     def images(self, default_count: int, split: str | None = None) -> ImageBatch:
         assert self.loaded is not None
         return load_images(self.args, self.loaded, default_count, split)
+
+    def image_stream(self, default_count: int, split: str | None = None) -> ImageStream:
+        assert self.loaded is not None
+        return image_stream(self.args, self.loaded, default_count, split)
 
     def load_second_model(self, prefix: str) -> LoadedModel:
         return load_model(self.args, prefix=prefix, device=str(self.device))
