@@ -46,6 +46,56 @@ def require_tensorboard(trainer: Any, owner: str) -> None:
         )
 
 
+def logging_step(trainer: Any) -> int:
+    """The step Lightning's own ``self.log`` writes at now (batches that stepped; as LearningRateMonitor uses)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step if step is not None else getattr(trainer, "global_step", 0))
+
+
+def epoch_end_step(trainer: Any) -> int:
+    """The step of an epoch's outputs written in ``on_train_epoch_end``: the step Lightning gives the epoch's
+    ``val/*`` and ``train/*`` epoch metrics (its last batch), so drift, spectra and accuracy of one epoch
+    share one x value, and every output of an epoch lies below the step its checkpoint resumes at."""
+    return max(logging_step(trainer) - 1, 0)
+
+
+def checkpoint_logging_step(ckpt_path: str | os.PathLike) -> int:
+    """The logging step a run resumed from ``ckpt_path`` continues at (read without loading the tensors)."""
+    ckpt = torch.load(str(ckpt_path), map_location="cpu", weights_only=True, mmap=True)
+    loop_state = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    return int(loop_state.get("_batches_that_stepped", ckpt.get("global_step", 0)))
+
+
+def purge_after_checkpoint(trainer: Any, ckpt_path: str | os.PathLike) -> int | None:
+    """Make a resumed run's TensorBoard writers discard what a killed run wrote after its last checkpoint.
+
+    The writer opens with ``purge_step`` = the checkpoint's logging step: TensorBoard drops every event at
+    that step or later written before the restart (everything the resumed run logs again), so each tag keeps
+    one point per step. Call before the writer is first used (before ``trainer.fit``). Returns the step.
+    """
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    loggers = [lg for lg in getattr(trainer, "loggers", []) or [] if isinstance(lg, TensorBoardLogger)]
+    if not loggers:
+        return None
+    step = checkpoint_logging_step(ckpt_path)
+    for logger in loggers:
+        if logger._experiment is not None:  # opened early: reopen it with the purge step
+            logger._experiment.close()
+            logger._experiment = None
+        logger._kwargs["purge_step"] = step
+    return step
+
+
+def resume_step(trainer: Any) -> int:
+    """The step a resumed run continues from (its TensorBoard purge step), or 0 for a fresh run."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    steps = [lg._kwargs.get("purge_step") for lg in getattr(trainer, "loggers", []) or [] if isinstance(lg, TensorBoardLogger)]
+    return int(next((s for s in steps if s is not None), 0))
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` (atomic on POSIX).
@@ -197,6 +247,8 @@ def write_layout_once(trainer: Any) -> None:
         make = getattr(callback, "tensorboard_layout", None)
         if callable(make):
             layout.update(make())
-    if layout:
-        writer.add_custom_scalars(layout)
+    if layout:  # at the current step, so a resumed run's copy is not a second point at step 0
+        from torch.utils.tensorboard.summary import custom_scalars
+
+        writer._get_file_writer().add_summary(custom_scalars(layout), logging_step(trainer))
     writer._vitlab_layout_written = True

@@ -20,7 +20,7 @@ from vitlab.callbacks._state import (
     snapshot_name,
     unwrap,
 )
-from vitlab.tblog import heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
+from vitlab.tblog import epoch_end_step, heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
 from vitlab.tbimage import colorize, hstack_panels, vstack_panels
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
@@ -228,7 +228,7 @@ class QKVDrift(EpochCallback, pl.Callback):
         current = qkv_state(model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
-        report_drift(writer, self._ref, current, self._prev, head_counts(model), int(trainer.global_step), table, completed, self.local_maps)
+        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps)
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

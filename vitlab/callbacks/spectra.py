@@ -13,7 +13,7 @@ import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import EpochCallback, block_stage, head_counts, qkv_state, unwrap
-from vitlab.tblog import tensorboard_writer, write_csv, write_layout_once
+from vitlab.tblog import epoch_end_step, tensorboard_writer, write_csv, write_layout_once
 from vitlab.tbimage import colorize
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
@@ -118,7 +118,7 @@ class QKSpectra(EpochCallback, pl.Callback):
         spectra = block_spectra(qkv_state(model), head_counts(model))
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
-        report_spectra(writer, spectra, int(trainer.global_step), table, epoch)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch)
         write_layout_once(trainer)
         self.logged_epochs.append(epoch)
 

@@ -190,8 +190,11 @@ class MedicalDataModule(pl.LightningDataModule):
         self._prepare()
         trainer = self.trainer
         if trainer is not None and not self._skips_logged:
+            from vitlab.tblog import resume_step
+
+            step = resume_step(trainer)  # 0, or the step a resumed run continues from (no second point at 0)
             for logger in trainer.loggers:
-                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
+                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=step)
             self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders
