@@ -96,7 +96,7 @@ def test_fit_writes_dashboards_snapshots_and_resumes(tiny_dataset, tmp_path, cap
         assert tag in tags["scalars"], tag
     for tag in ["drift_rows/cosine_distance/q", "drift_rows/dot/v"]:
         assert tag in tags["histograms"], tag
-    for tag in ["drift_map/cosine_distance", "drift_local/stage1.block0 ", "spectra_figure/stage0", "spectra_heads/positive_mass", "val/confusion_matrix"]:
+    for tag in ["drift_map/cosine_distance", "drift_local/stage1.block0", "spectra_figure/stage0", "spectra_heads/positive_mass", "val/confusion_matrix"]:
         assert any(t.startswith(tag) for t in tags["images"]), tag
     assert "custom_scalars__config__" in tags["tensors"]
     assert "hp_metric" not in tags["scalars"]

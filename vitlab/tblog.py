@@ -172,14 +172,17 @@ def heatmap_figure(
     annotate: bool = False,
     colorbar_label: str = "",
     figsize: tuple[float, float] | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
 ):
-    """A matplotlib heatmap of a 2-D array (rows top to bottom), ready for ``SummaryWriter.add_figure``."""
+    """A matplotlib heatmap of a 2-D array (rows top to bottom; NaN cells grey), for ``add_figure``."""
     data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
     rows, cols = data.shape
     if figsize is None:
         figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
     fig, ax = plt.subplots(figsize=figsize, dpi=90)
-    im = ax.imshow(data, aspect="auto", cmap=cmap, interpolation="nearest")
+    colormap = plt.get_cmap(cmap).with_extremes(bad="0.75")
+    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
     cbar = fig.colorbar(im, ax=ax)
     if colorbar_label:
         cbar.set_label(colorbar_label)

@@ -21,7 +21,7 @@ from vitlab.callbacks._state import (
     unwrap,
 )
 from vitlab.tblog import epoch_end_step, heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
-from vitlab.tbimage import colorize, hstack_panels, vstack_panels
+import matplotlib.pyplot as plt
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
 MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
@@ -112,14 +112,34 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True)
     if not local_maps:
         return
     for block in blocks:
-        panel_rows = []
-        for name in LOCAL_METRICS:
-            vmax = max(float(rows_ref[(block, m)][name].max()) for m in MATRICES)
-            grids = [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES]  # (H, hd) each
-            cell = max(2, min(24, 160 // grids[0].shape[1]))
-            panels = [colorize(g, vmin=0.0, vmax=vmax, cell=cell) for g in grids]
-            panel_rows.append(hstack_panels(panels, gap=6))
-        writer.add_image(f"drift_local/{block} (columns Q | K | V; rows cosine distance, euclidean; each heads x rows-in-head)", vstack_panels(panel_rows, gap=6), step)
+        grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES] for name in LOCAL_METRICS}
+        writer.add_figure(f"drift_local/{block}", local_drift_figure(block, grids, step), step)
+
+
+def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: int):
+    """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
+    Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
+    fig, axes = plt.subplots(len(grids), len(MATRICES), figsize=(11.0, 1.0 + 2.0 * len(grids)), dpi=80, squeeze=False)
+    for r, (name, per_matrix) in enumerate(grids.items()):  # per_matrix: [(H, hd)] for Q, K, V
+        vmax = max(float(g.max()) for g in per_matrix) or 1.0
+        for c, (m, grid) in enumerate(zip(MATRICES, per_matrix)):
+            ax = axes[r, c]
+            im = ax.imshow(grid.double().numpy(), aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=vmax)
+            heads, head_dim = grid.shape
+            ax.set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
+            ax.tick_params(axis="x", labelsize=7)
+            if r == 0:
+                ax.set_title(m.upper(), fontsize=10)
+            if r == len(grids) - 1:
+                ax.set_xlabel(f"row within head (0..{head_dim - 1})", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"{name.replace('_', ' ')}\nhead", fontsize=8)
+        cbar = fig.colorbar(im, ax=list(axes[r]), fraction=0.03, pad=0.015)
+        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
+        cbar.ax.tick_params(labelsize=7)
+    fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
+    fig.subplots_adjust(left=0.08, right=0.9, bottom=0.12, top=0.86, wspace=0.12, hspace=0.35)
+    return fig
 
 
 def drift_layout() -> dict[str, Any]:

@@ -13,8 +13,7 @@ import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import EpochCallback, block_stage, head_counts, qkv_state, unwrap
-from vitlab.tblog import epoch_end_step, tensorboard_writer, write_csv, write_layout_once
-from vitlab.tbimage import colorize
+from vitlab.tblog import epoch_end_step, heatmap_figure, tensorboard_writer, write_csv, write_layout_once
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -74,8 +73,21 @@ def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path 
     grid = torch.full((len(spectra), max_heads), float("nan"))
     for i, s in enumerate(spectra.values()):
         grid[i, : len(s.positive_mass)] = s.positive_mass.float()
-    cell = max(12, 320 // max(grid.shape))
-    writer.add_image("spectra_heads/positive_mass (rows blocks, columns heads; blue 0 - red 1)", colorize(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, cell=cell), step)
+    blocks = list(spectra)
+    fig = heatmap_figure(
+        grid,
+        title=f"positive mass of sym(W_Q W_K^T) per head, step {step} (grey: no such head)",
+        xlabel="head",
+        ylabel="block",
+        xticklabels=[str(h) for h in range(max_heads)],
+        yticklabels=blocks,
+        cmap="coolwarm",
+        vmin=0.0,
+        vmax=1.0,
+        colorbar_label="positive mass (0 = negative-definite, 1 = positive-definite)",
+        figsize=(3.6 + 0.4 * max_heads, 1.6 + 0.3 * len(blocks)),
+    )
+    writer.add_figure("spectra_heads/positive_mass", fig, step)
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 
