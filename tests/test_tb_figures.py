@@ -35,7 +35,7 @@ def test_local_drift_figure_labels_heads_rows_matrices_and_ranges():
     assert [ax.get_title() for ax in panels[:3]] == ["Q", "K", "V"]
     for ax in panels:  # each panel is heads x rows-in-head, drawn from the grid it was given
         assert ax.get_images()[0].get_array().shape == (heads, head_dim)
-    assert "row within head" in panels[-1].get_xlabel()
+    assert "row in head" in panels[-1].get_xlabel()
     colorbars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
     assert len(colorbars) == len(LOCAL_METRICS)
     for name, cbar, first in zip(LOCAL_METRICS, colorbars, panels[::3]):

@@ -114,6 +114,9 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
         parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
         args=args,
     )
+    from vitlab.threads import configure_threads
+
+    configure_threads(getattr(cli.datamodule, "num_workers", 0))  # threads + workers within the cores
     if cli.config.get("ckpt_path"):
         from vitlab.tblog import purge_after_checkpoint
 

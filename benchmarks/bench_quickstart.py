@@ -1,0 +1,139 @@
+"""Quickstart overhead: end-to-end training step of ``configs/quickstart.yaml`` against a bare timm loop.
+
+    python benchmarks/bench_quickstart.py [--epochs 4] [--bare-steps 40] [--no-load]
+
+Runs, each in its own process and one after the other (side by side, so the ratios hold on a shared,
+noisy machine where absolute times do not):
+
+1. a bare loop: the quickstart's timm Swin, batch 32 at 64 px, AdamW, forward + backward + step on
+   random tensors, nothing else (the floor);
+2. the quickstart itself (``python train.py --config configs/quickstart.yaml`` with ``--epochs`` epochs):
+   data workers, validation, metrics, the Q/K/V callbacks' figures and tables, checkpoints; its step time is
+   the wall time of ``Trainer.fit`` divided by the optimizer steps;
+3. the quickstart again while one busy process per core competes for the CPU: its CPU time (the process
+   and its data workers) against the quiet run's shows whether threads spin when they cannot run.
+
+Goal: quickstart step <= 1.5x the bare step; CPU time under load about the quiet one (not a multiple).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BARE = r"""
+import json, sys, time, torch
+from vitlab.threads import configure_threads
+configure_threads(num_workers=0)
+import yaml
+from vitlab.models import build_model, parameter_groups
+cfg = yaml.safe_load(open("configs/quickstart.yaml"))["model"]
+torch.manual_seed(0)
+model = build_model(cfg["model_name"], num_classes=2, in_chans=1, **cfg["model_kwargs"])
+opt = torch.optim.AdamW(parameter_groups(model, weight_decay=cfg["weight_decay"]), lr=cfg["lr"])
+x = torch.randn(32, 1, 64, 64)
+y = torch.randint(0, 2, (32,))
+def step():
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range(3):
+    step()
+n = int(sys.argv[1])
+start = time.perf_counter()
+for _ in range(n):
+    step()
+print("RESULT " + json.dumps({"step_s": (time.perf_counter() - start) / n, "threads": torch.get_num_threads()}))
+"""
+
+QUICKSTART = r"""
+import json, sys, time
+import pytorch_lightning as pl
+timing = {}
+fit_method = pl.Trainer.fit
+def timed_fit(self, *args, **kwargs):
+    start = time.perf_counter()
+    out = fit_method(self, *args, **kwargs)
+    timing["fit_s"], timing["steps"] = time.perf_counter() - start, self.global_step
+    return out
+pl.Trainer.fit = timed_fit
+from vitlab.cli import fit
+import torch
+fit(sys.argv[1:])
+timing["threads"] = torch.get_num_threads()
+print("RESULT " + json.dumps(timing))
+"""
+
+
+def run_child(code: str, args: list[str]) -> tuple[dict, float, float]:
+    """Run ``code`` in a fresh Python; return its RESULT line, wall seconds and CPU seconds (with its workers)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(line[len("RESULT "):]), wall, cpu
+
+
+def quickstart_args(save_dir: str, epochs: int) -> list[str]:
+    return [
+        "--config", "configs/quickstart.yaml",
+        "--trainer.max_epochs", str(epochs),
+        "--trainer.logger.init_args.save_dir", save_dir,
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+    ]
+
+
+def competing_load(processes: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=4, help="quickstart epochs per run (default 4)")
+    parser.add_argument("--bare-steps", type=int, default=40, help="timed steps of the bare loop (default 40)")
+    parser.add_argument("--no-load", action="store_true", help="skip the run under a competing load")
+    opts = parser.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    print(f"machine: {cores} usable cores, load average {os.getloadavg()[0]:.1f} (shared machines: compare ratios, not seconds)")
+
+    bare, _, _ = run_child(BARE, [str(opts.bare_steps)])
+    with tempfile.TemporaryDirectory(prefix="vitlab-bench-qs-") as tmp:
+        quick, quick_wall, quick_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "quiet"), opts.epochs))
+        bare_after, _, _ = run_child(BARE, [str(opts.bare_steps)])  # bracket the quickstart: the floor drifts
+        bare_s = min(bare["step_s"], bare_after["step_s"])
+        step_s = quick["fit_s"] / quick["steps"]
+        print(f"bare timm loop      : {bare_s * 1e3:7.1f} ms/step  ({bare['threads']} torch threads)")
+        print(f"quickstart (fit)    : {step_s * 1e3:7.1f} ms/step  ({quick['steps']} steps in {quick['fit_s']:.1f} s, {quick['threads']} torch threads)")
+        print(f"ratio               : {step_s / bare_s:7.2f}x  (goal <= 1.5x)")
+        print(f"quickstart process  : {quick_wall:6.1f} s wall, {quick_cpu:6.1f} CPU-s (with start-up and data workers)")
+        if opts.no_load:
+            return
+        load = competing_load(cores)
+        try:
+            loaded, loaded_wall, loaded_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "loaded"), opts.epochs))
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait()
+        print(f"under {cores} busy procs: {loaded_wall:6.1f} s wall, {loaded_cpu:6.1f} CPU-s -> CPU time {loaded_cpu / quick_cpu:.2f}x the quiet run's (goal ~1x; spinning threads make it a multiple)")
+
+
+if __name__ == "__main__":
+    main()
