@@ -174,14 +174,15 @@ def heatmap_figure(
     figsize: tuple[float, float] | None = None,
     vmin: float | None = None,
     vmax: float | None = None,
+    nan_color: str = "0.75",
 ):
-    """A matplotlib heatmap of a 2-D array (rows top to bottom; NaN cells grey), for ``add_figure``."""
+    """A matplotlib heatmap of a 2-D array (rows top to bottom; NaN cells in ``nan_color``), for ``add_figure``."""
     data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
     rows, cols = data.shape
     if figsize is None:
         figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
     fig, ax = plt.subplots(figsize=figsize, dpi=90)
-    colormap = plt.get_cmap(cmap).with_extremes(bad="0.75")
+    colormap = plt.get_cmap(cmap).with_extremes(bad=nan_color)
     im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
     cbar = fig.colorbar(im, ax=ax)
     if colorbar_label:

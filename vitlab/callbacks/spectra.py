@@ -76,16 +76,17 @@ def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path 
     blocks = list(spectra)
     fig = heatmap_figure(
         grid,
-        title=f"positive mass of sym(W_Q W_K^T) per head, step {step} (grey: no such head)",
-        xlabel="head",
+        title=f"positive mass of sym(W_Q W_K^T), step {step}",
+        xlabel="head (white: the block has fewer heads)",
         ylabel="block",
         xticklabels=[str(h) for h in range(max_heads)],
         yticklabels=blocks,
         cmap="coolwarm",
         vmin=0.0,
         vmax=1.0,
-        colorbar_label="positive mass (0 = negative-definite, 1 = positive-definite)",
-        figsize=(3.6 + 0.4 * max_heads, 1.6 + 0.3 * len(blocks)),
+        colorbar_label="positive mass [0, 1]",
+        nan_color="white",
+        figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
     )
     writer.add_figure("spectra_heads/positive_mass", fig, step)
     if table_path is not None:
