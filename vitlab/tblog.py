@@ -10,6 +10,7 @@ import contextlib
 import csv
 import io
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -94,6 +95,18 @@ def resume_step(trainer: Any) -> int:
 
     steps = [lg._kwargs.get("purge_step") for lg in getattr(trainer, "loggers", []) or [] if isinstance(lg, TensorBoardLogger)]
     return int(next((s for s in steps if s is not None), 0))
+
+
+def figures_due(trainer: Any, completed_epochs: int, every_n_epochs: int | None = None) -> bool:
+    """Whether an epoch's figures are drawn: every N-th completed epoch, the first and the last.
+
+    ``None`` picks N so a run draws about 10 sets (TensorBoard keeps 10 images per tag by default): a
+    matplotlib figure costs about as much as several training steps of a small model.
+    """
+    max_epochs = getattr(trainer, "max_epochs", None) or 0
+    if every_n_epochs is None:
+        every_n_epochs = max(1, math.ceil(max_epochs / 10))
+    return completed_epochs <= 1 or completed_epochs % every_n_epochs == 0 or (max_epochs > 0 and completed_epochs >= max_epochs)
 
 
 @contextlib.contextmanager

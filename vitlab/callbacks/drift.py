@@ -20,7 +20,7 @@ from vitlab.callbacks._state import (
     snapshot_name,
     unwrap,
 )
-from vitlab.tblog import epoch_end_step, heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
+from vitlab.tblog import epoch_end_step, figures_due, heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
 import matplotlib.pyplot as plt
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
@@ -174,6 +174,7 @@ def report_drift(
     table_path: Path | None = None,
     epoch: int = 0,
     local_maps: bool = True,
+    figures: bool = True,
 ) -> dict[tuple[str, str], dict[str, float]]:
     """Compute and write one drift report (TensorBoard scalars, histograms, images; optional CSV).
 
@@ -186,7 +187,8 @@ def report_drift(
     _log_scalars(writer, sum_ref, sum_prev, step)
     _log_extras(writer, extra_drift(ref, cur), step)
     _log_histograms(writer, rows_ref, step)
-    _log_images(writer, rows_ref, sum_ref, heads, step, local_maps)
+    if figures:
+        _log_images(writer, rows_ref, sum_ref, heads, step, local_maps)
     if table_path is not None:
         write_drift_table(table_path, epoch, rows_ref, heads)
     return sum_ref
@@ -205,11 +207,18 @@ class QKVDrift(EpochCallback, pl.Callback):
     Args:
         every_n_epochs: Compute after every N-th completed epoch.
         local_maps: Log the per-block heads x rows heatmaps.
+        figures_every_n_epochs: Draw the images every N-th epoch (and the first and last); ``None``: about
+            10 per run. Scalars, histograms and tables are written every ``every_n_epochs``.
         write_csv: Write the per-row CSV table.
     """
 
-    def __init__(self, every_n_epochs: int = 1, local_maps: bool = True, write_csv: bool = True) -> None:
+    def __init__(
+        self, every_n_epochs: int = 1, local_maps: bool = True, write_csv: bool = True, figures_every_n_epochs: int | None = None
+    ) -> None:
         super().__init__(every_n_epochs)
+        if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
+            raise ValueError(f"QKVDrift.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        self.figures_every_n_epochs = figures_every_n_epochs
         self.local_maps = local_maps
         self.write_csv = write_csv
         self.reference_file: str | None = None
@@ -248,7 +257,8 @@ class QKVDrift(EpochCallback, pl.Callback):
         current = qkv_state(model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
-        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps)
+        figures = figures_due(trainer, completed, self.figures_every_n_epochs)
+        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures)
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

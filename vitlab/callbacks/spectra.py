@@ -13,7 +13,7 @@ import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import EpochCallback, block_stage, head_counts, qkv_state, unwrap
-from vitlab.tblog import epoch_end_step, heatmap_figure, tensorboard_writer, write_csv, write_layout_once
+from vitlab.tblog import epoch_end_step, figures_due, heatmap_figure, tensorboard_writer, write_csv, write_layout_once
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -58,37 +58,38 @@ def stage_figure(stage: str, spectra: dict[str, Any]):
     return fig
 
 
-def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None) -> None:
+def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True) -> None:
     """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV)."""
     for block, s in spectra.items():
         for name in SCALARS:
             writer.add_scalar(f"spectra/{name}/{block}", float(getattr(s, name).float().mean()), step)
             writer.add_scalar(f"spectra_summed/{name}/{block}", float(getattr(s.summed, name)[0]), step)
-    by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
-    for block, s in spectra.items():
-        by_stage[block_stage(block)][block] = s
-    for stage, group in by_stage.items():
-        writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
-    max_heads = max(len(s.positive_mass) for s in spectra.values())
-    grid = torch.full((len(spectra), max_heads), float("nan"))
-    for i, s in enumerate(spectra.values()):
-        grid[i, : len(s.positive_mass)] = s.positive_mass.float()
-    blocks = list(spectra)
-    fig = heatmap_figure(
-        grid,
-        title=f"positive mass of sym(W_Q W_K^T), step {step}",
-        xlabel="head (white: the block has fewer heads)",
-        ylabel="block",
-        xticklabels=[str(h) for h in range(max_heads)],
-        yticklabels=blocks,
-        cmap="coolwarm",
-        vmin=0.0,
-        vmax=1.0,
-        colorbar_label="positive mass [0, 1]",
-        nan_color="white",
-        figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
-    )
-    writer.add_figure("spectra_heads/positive_mass", fig, step)
+    if figures:
+        by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
+        for block, s in spectra.items():
+            by_stage[block_stage(block)][block] = s
+        for stage, group in by_stage.items():
+            writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
+        max_heads = max(len(s.positive_mass) for s in spectra.values())
+        grid = torch.full((len(spectra), max_heads), float("nan"))
+        for i, s in enumerate(spectra.values()):
+            grid[i, : len(s.positive_mass)] = s.positive_mass.float()
+        blocks = list(spectra)
+        fig = heatmap_figure(
+            grid,
+            title=f"positive mass of sym(W_Q W_K^T), step {step}",
+            xlabel="head (white: the block has fewer heads)",
+            ylabel="block",
+            xticklabels=[str(h) for h in range(max_heads)],
+            yticklabels=blocks,
+            cmap="coolwarm",
+            vmin=0.0,
+            vmax=1.0,
+            colorbar_label="positive mass [0, 1]",
+            nan_color="white",
+            figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
+        )
+        writer.add_figure("spectra_heads/positive_mass", fig, step)
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 
@@ -109,10 +110,15 @@ class QKSpectra(EpochCallback, pl.Callback):
     Args:
         every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
         write_csv: Write the per-head CSV table.
+        figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
+            ``None``: about 10 per run.
     """
 
-    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True) -> None:
+    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None) -> None:
         super().__init__(every_n_epochs)
+        if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
+            raise ValueError(f"QKSpectra.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        self.figures_every_n_epochs = figures_every_n_epochs
         self.write_csv = write_csv
         self.logged_epochs: list[int] = []
 
@@ -131,7 +137,8 @@ class QKSpectra(EpochCallback, pl.Callback):
         spectra = block_spectra(qkv_state(model), head_counts(model))
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
-        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch)
+        figures = figures_due(trainer, epoch, self.figures_every_n_epochs)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures)
         write_layout_once(trainer)
         self.logged_epochs.append(epoch)
 

@@ -17,7 +17,7 @@ from torchmetrics.classification import (
 )
 
 from vitlab import models
-from vitlab.tblog import confusion_matrix_figure, logging_step, tensorboard_writer
+from vitlab.tblog import confusion_matrix_figure, figures_due, logging_step, tensorboard_writer
 
 
 class ClassificationModule(pl.LightningModule):
@@ -141,7 +141,7 @@ class ClassificationModule(pl.LightningModule):
             value = float(value)
             best = self.best_val.get(name)
             self.best_val[name] = value if best is None else max(best, value)
-        if self.trainer.is_global_zero:
+        if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
             writer = tensorboard_writer(self.trainer)
             if writer is not None:
                 writer.add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, self.class_names), logging_step(self.trainer))  # val/*'s step
