@@ -7,7 +7,7 @@ noisy machine where absolute times do not):
 
 1. a bare loop: the quickstart's timm Swin, batch 32 at 64 px, AdamW, forward + backward + step on
    random tensors, nothing else; the faster of 1 thread and one per core, before and after 2. (the floor);
-2. the quickstart itself (``python train.py --config configs/quickstart.yaml`` with ``--epochs`` epochs):
+2. the quickstart itself (``python train.py --config configs/quickstart.yaml``, its first ``--epochs`` epochs):
    data workers, validation, metrics, the Q/K/V callbacks' figures and tables, checkpoints; its step time is
    the wall time of ``Trainer.fit`` divided by the optimizer steps;
 3. the quickstart again while one busy process per core competes for the CPU: its CPU time (the process
@@ -92,10 +92,22 @@ def run_child(code: str, args: list[str]) -> tuple[dict, float, float]:
     return json.loads(line[len("RESULT "):]), wall, cpu
 
 
-def quickstart_args(save_dir: str, epochs: int) -> list[str]:
+def steps_per_epoch() -> int:
+    """Training batches per epoch of the quickstart's data (generated into the cache on first use)."""
+    import yaml
+
+    from vitlab.data import MedicalDataModule
+
+    data = MedicalDataModule(**yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["data"])
+    data.setup("fit")
+    return len(data.train_dataloader())
+
+
+def quickstart_args(save_dir: str, steps: int) -> list[str]:
+    """The quickstart's 30-epoch schedule (LR, figure frequency) cut short after ``steps`` steps."""
     return [
         "--config", "configs/quickstart.yaml",
-        "--trainer.max_epochs", str(epochs),
+        "--trainer.max_steps", str(steps),
         "--trainer.logger.init_args.save_dir", save_dir,
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false",
@@ -108,7 +120,7 @@ def competing_load(processes: int) -> list[subprocess.Popen]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=4, help="quickstart epochs per run (default 4)")
+    parser.add_argument("--epochs", type=int, default=6, help="quickstart epochs per run, of its 30 (default 6)")
     parser.add_argument("--bare-steps", type=int, default=40, help="timed steps of the bare loop (default 40)")
     parser.add_argument("--no-load", action="store_true", help="skip the run under a competing load")
     opts = parser.parse_args()
@@ -120,8 +132,9 @@ def main() -> None:
         return min(runs, key=lambda r: r["step_s"])
 
     bare = bare_floor()
+    steps = opts.epochs * steps_per_epoch()
     with tempfile.TemporaryDirectory(prefix="vitlab-bench-qs-") as tmp:
-        quick, quick_wall, quick_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "quiet"), opts.epochs))
+        quick, quick_wall, quick_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "quiet"), steps))
         bare_after = bare_floor()  # bracket the quickstart: the floor drifts with the machine's load
         bare = min(bare, bare_after, key=lambda r: r["step_s"])
         bare_s = bare["step_s"]
@@ -137,7 +150,7 @@ def main() -> None:
             return
         load = competing_load(cores)
         try:
-            loaded, loaded_wall, loaded_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "loaded"), opts.epochs))
+            loaded, loaded_wall, loaded_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "loaded"), steps))
         finally:
             for proc in load:
                 proc.kill()
