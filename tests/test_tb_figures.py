@@ -71,13 +71,14 @@ def test_spectra_heads_figure_has_blocks_heads_and_unit_colour_range():
         plt.close(f)
 
 
-def test_figures_are_drawn_about_ten_times_per_run_and_at_both_ends():
+def test_figures_are_drawn_about_six_times_per_run_and_at_both_ends():
     from types import SimpleNamespace
 
     from vitlab.tblog import figures_due
 
     thirty = SimpleNamespace(max_epochs=30)
-    assert [e for e in range(31) if figures_due(thirty, e)] == [0, 1, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30]
-    assert [e for e in range(8) if figures_due(SimpleNamespace(max_epochs=7), e)] == list(range(8))
+    assert [e for e in range(31) if figures_due(thirty, e)] == [0, 1, 5, 10, 15, 20, 25, 30]
+    assert [e for e in range(8) if figures_due(SimpleNamespace(max_epochs=7), e)] == [0, 1, 2, 4, 6, 7]
+    assert [e for e in range(4) if figures_due(SimpleNamespace(max_epochs=3), e)] == [0, 1, 2, 3]
     assert [e for e in range(11) if figures_due(SimpleNamespace(max_epochs=10), e, every_n_epochs=4)] == [0, 1, 4, 8, 10]
     assert [e for e in range(6) if figures_due(SimpleNamespace(max_epochs=None), e)] == list(range(6))

@@ -100,12 +100,12 @@ def resume_step(trainer: Any) -> int:
 def figures_due(trainer: Any, completed_epochs: int, every_n_epochs: int | None = None) -> bool:
     """Whether an epoch's figures are drawn: every N-th completed epoch, the first and the last.
 
-    ``None`` picks N so a run draws about 10 sets (TensorBoard keeps 10 images per tag by default): a
+    ``None`` picks N so a run draws about 6 sets (TensorBoard keeps up to 10 images per tag): a
     matplotlib figure costs about as much as several training steps of a small model.
     """
     max_epochs = getattr(trainer, "max_epochs", None) or 0
     if every_n_epochs is None:
-        every_n_epochs = max(1, math.ceil(max_epochs / 10))
+        every_n_epochs = max(1, math.ceil(max_epochs / 6))
     return completed_epochs <= 1 or completed_epochs % every_n_epochs == 0 or (max_epochs > 0 and completed_epochs >= max_epochs)
 
 

@@ -119,26 +119,29 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True)
 def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: int):
     """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
     Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
-    fig, axes = plt.subplots(len(grids), len(MATRICES), figsize=(7.2, 1.2 + 1.7 * len(grids)), dpi=90, squeeze=False)
+    fig, axes = plt.subplots(len(grids), len(MATRICES), figsize=(7.2, 1.2 + 1.7 * len(grids)), dpi=90, squeeze=False, sharex=True, sharey=True)
+    fig.subplots_adjust(left=0.12, right=0.86, bottom=0.13, top=0.85, wspace=0.08, hspace=0.3)
+    heads, head_dim = next(iter(grids.values()))[0].shape
+    axes[0, 0].set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
+    axes[0, 0].set_xticks(sorted({0, head_dim // 2, head_dim - 1}))  # explicit ticks: the locators cost ~0.1 s
     for r, (name, per_matrix) in enumerate(grids.items()):  # per_matrix: [(H, hd)] for Q, K, V
         vmax = max(float(g.max()) for g in per_matrix) or 1.0
         for c, (m, grid) in enumerate(zip(MATRICES, per_matrix)):
             ax = axes[r, c]
             im = ax.imshow(grid.double().numpy(), aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=vmax)
-            heads, head_dim = grid.shape
-            ax.set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
-            ax.tick_params(axis="x", labelsize=7)
+            ax.tick_params(labelsize=7, labelleft=c == 0, labelbottom=r == len(grids) - 1)
             if r == 0:
                 ax.set_title(m.upper(), fontsize=10)
             if r == len(grids) - 1:
                 ax.set_xlabel(f"row in head (0..{head_dim - 1})", fontsize=8)
             if c == 0:
                 ax.set_ylabel(f"{name.replace('_', ' ')}\nhead", fontsize=8)
-        cbar = fig.colorbar(im, ax=list(axes[r]), fraction=0.03, pad=0.015)
+        box = axes[r, -1].get_position()
+        cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.015, box.height))
+        cbar = fig.colorbar(im, cax=cax, ticks=[0.0, vmax / 2, vmax])
         cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
         cbar.ax.tick_params(labelsize=7)
     fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
-    fig.subplots_adjust(left=0.12, right=0.88, bottom=0.13, top=0.85, wspace=0.15, hspace=0.35)
     return fig
 
 
