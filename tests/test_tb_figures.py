@@ -30,8 +30,10 @@ def test_local_drift_figure_labels_heads_rows_matrices_and_ranges():
     rows = {name: [torch.rand(heads * head_dim, generator=gen, dtype=torch.float64) * (i + 1) for i in range(3)] for name in LOCAL_METRICS}
     grids = {name: [head_grid(r, heads) for r in per] for name, per in rows.items()}
     fig = local_drift_figure("stage1.block0", grids, step=7)
-    panels = [ax for ax in fig.axes if ax.get_images() and [t.get_text() for t in ax.get_yticklabels()] == ["h0", "h1", "h2"]]
+    panels = [ax for ax in fig.axes if ax.get_images() and ax.get_label() != "<colorbar>"]
     assert len(panels) == len(LOCAL_METRICS) * 3
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["h0", "h1", "h2"]  # heads, shared by all panels
+    assert all(ax.get_shared_y_axes().joined(ax, panels[0]) for ax in panels)
     assert [ax.get_title() for ax in panels[:3]] == ["Q", "K", "V"]
     for ax in panels:  # each panel is heads x rows-in-head, drawn from the grid it was given
         assert ax.get_images()[0].get_array().shape == (heads, head_dim)

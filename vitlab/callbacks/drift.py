@@ -137,7 +137,7 @@ def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: i
             if c == 0:
                 ax.set_ylabel(f"{name.replace('_', ' ')}\nhead", fontsize=8)
         box = axes[r, -1].get_position()
-        cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.015, box.height))
+        cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.015, box.height), label="<colorbar>")
         cbar = fig.colorbar(im, cax=cax, ticks=[0.0, vmax / 2, vmax])
         cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
         cbar.ax.tick_params(labelsize=7)
@@ -211,7 +211,7 @@ class QKVDrift(EpochCallback, pl.Callback):
         every_n_epochs: Compute after every N-th completed epoch.
         local_maps: Log the per-block heads x rows heatmaps.
         figures_every_n_epochs: Draw the images every N-th epoch (and the first and last); ``None``: about
-            10 per run. Scalars, histograms and tables are written every ``every_n_epochs``.
+            6 per run. Scalars, histograms and tables are written every ``every_n_epochs``.
         write_csv: Write the per-row CSV table.
     """
 
