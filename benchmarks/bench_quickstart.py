@@ -60,6 +60,7 @@ print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads()}))
 
 QUICKSTART = r"""
 import json, sys, time
+import vitlab  # noqa: F401  (first, as train.py imports it: its OpenMP wait policy precedes torch)
 import pytorch_lightning as pl
 timing = {}
 fit_method = pl.Trainer.fit
