@@ -1,6 +1,6 @@
 """Quickstart overhead: end-to-end training step of ``configs/quickstart.yaml`` against a bare timm loop.
 
-    python benchmarks/bench_quickstart.py [--epochs 4] [--bare-steps 40] [--no-load]
+    python benchmarks/bench_quickstart.py [--epochs 30] [--bare-steps 40] [--no-load]
 
 Runs, each in its own process and one after the other (side by side, so the ratios hold on a shared,
 noisy machine where absolute times do not):
@@ -121,7 +121,7 @@ def competing_load(processes: int) -> list[subprocess.Popen]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=6, help="quickstart epochs per run, of its 30 (default 6)")
+    parser.add_argument("--epochs", type=int, default=30, help="quickstart epochs per run, of its 30 (default: all)")
     parser.add_argument("--bare-steps", type=int, default=40, help="timed steps of the bare loop (default 40)")
     parser.add_argument("--no-load", action="store_true", help="skip the run under a competing load")
     opts = parser.parse_args()

@@ -105,7 +105,8 @@ def test_sigkill_after_drift_write_then_resume_has_one_point_per_step(tiny_datas
     redo = qkv_state_of(qkv / "epoch_002.safetensors")
     live = qkv_state(cli.model.model)
     assert redo.keys() == live.keys() and all(torch.equal(redo[k], v) for k, v in live.items())
-    assert not all(torch.equal(stale[k], v) for k, v in live.items())  # the re-run took another data order
+    # precondition of the check above: the re-run (fresh loader generator) trained on another order than the killed run
+    assert not all(torch.equal(stale[k], v) for k, v in live.items()), "re-run identical to the killed run: snapshot rewrite untested"
     ref = qkv_state_of(qkv / "epoch_000.safetensors")
     rows = list(csv.DictReader(open(qkv / "drift_epoch_002.csv")))
     per_key = defaultdict(int)
