@@ -115,6 +115,13 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
         parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
         args=args,
     )
+    from vitlab.threads import configure_threads
+
+    configure_threads(getattr(cli.datamodule, "num_workers", 0))  # threads + workers within the cores
+    if cli.config.get("ckpt_path"):
+        from vitlab.tblog import purge_after_checkpoint
+
+        purge_after_checkpoint(cli.trainer, cli.config.get("ckpt_path"))  # no duplicate points after a kill
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     if getattr(cli.datamodule, "has_test", False) and not cli.trainer.interrupted:
         best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path

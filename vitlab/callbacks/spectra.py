@@ -15,8 +15,7 @@ import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import block_stage
-from vitlab.tblog import write_csv
-from vitlab.tbimage import colorize
+from vitlab.tblog import heatmap_figure, write_csv
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -61,23 +60,38 @@ def stage_figure(stage: str, spectra: dict[str, Any]):
     return fig
 
 
-def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None) -> None:
+def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True) -> None:
     """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV)."""
     for block, s in spectra.items():
         for name in SCALARS:
             writer.add_scalar(f"spectra/{name}/{block}", float(getattr(s, name).float().mean()), step)
             writer.add_scalar(f"spectra_summed/{name}/{block}", float(getattr(s.summed, name)[0]), step)
-    by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
-    for block, s in spectra.items():
-        by_stage[block_stage(block)][block] = s
-    for stage, group in by_stage.items():
-        writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
-    max_heads = max(len(s.positive_mass) for s in spectra.values())
-    grid = torch.full((len(spectra), max_heads), float("nan"))
-    for i, s in enumerate(spectra.values()):
-        grid[i, : len(s.positive_mass)] = s.positive_mass.float()
-    cell = max(12, 320 // max(grid.shape))
-    writer.add_image("spectra_heads/positive_mass (rows blocks, columns heads; blue 0 - red 1)", colorize(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, cell=cell), step)
+    if figures:
+        by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
+        for block, s in spectra.items():
+            by_stage[block_stage(block)][block] = s
+        for stage, group in by_stage.items():
+            writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
+        max_heads = max(len(s.positive_mass) for s in spectra.values())
+        grid = torch.full((len(spectra), max_heads), float("nan"))
+        for i, s in enumerate(spectra.values()):
+            grid[i, : len(s.positive_mass)] = s.positive_mass.float()
+        blocks = list(spectra)
+        fig = heatmap_figure(
+            grid,
+            title=f"positive mass of sym(W_Q W_K^T), step {step}",
+            xlabel="head (white: the block has fewer heads)",
+            ylabel="block",
+            xticklabels=[str(h) for h in range(max_heads)],
+            yticklabels=blocks,
+            cmap="coolwarm",
+            vmin=0.0,
+            vmax=1.0,
+            colorbar_label="positive mass [0, 1]",
+            nan_color="white",
+            figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
+        )
+        writer.add_figure("spectra_heads/positive_mass", fig, step)
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 
 from vitlab.callbacks._state import EpochCallback, head_counts, qkv_state, unwrap
 from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout
-from vitlab.tblog import tensorboard_writer, write_layout_once
+from vitlab.tblog import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
 
 
 class QKSpectra(EpochCallback, pl.Callback):
@@ -26,10 +26,15 @@ class QKSpectra(EpochCallback, pl.Callback):
     Args:
         every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
         write_csv: Write the per-head CSV table.
+        figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
+            ``None``: about 6 per run.
     """
 
-    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True) -> None:
+    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None) -> None:
         super().__init__(every_n_epochs)
+        if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
+            raise ValueError(f"QKSpectra.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        self.figures_every_n_epochs = figures_every_n_epochs
         self.write_csv = write_csv
         self.logged_epochs: list[int] = []
 
@@ -48,7 +53,8 @@ class QKSpectra(EpochCallback, pl.Callback):
         spectra = block_spectra(qkv_state(model), head_counts(model))
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
-        report_spectra(writer, spectra, int(trainer.global_step), table, epoch)
+        figures = figures_due(trainer, epoch, self.figures_every_n_epochs)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures)
         write_layout_once(trainer)
         self.logged_epochs.append(epoch)
 

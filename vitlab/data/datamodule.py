@@ -190,8 +190,11 @@ class MedicalDataModule(pl.LightningDataModule):
         self._prepare()
         trainer = self.trainer
         if trainer is not None and not self._skips_logged:
+            from vitlab.tblog import resume_step
+
+            step = resume_step(trainer)  # 0, or the step a resumed run continues from (no second point at 0)
             for logger in trainer.loggers:
-                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
+                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=step)
             self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders
@@ -204,12 +207,15 @@ class MedicalDataModule(pl.LightningDataModule):
         )  # fmt: skip
 
     def _loader(self, split: str, train: bool) -> DataLoader:
+        from vitlab.threads import loader_workers
+
+        workers = loader_workers(self.num_workers)  # no more workers than cores beside the training process
         return DataLoader(
             self.dataset(split, augmented=train),
             batch_size=self.batch_size,
             shuffle=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            num_workers=workers,
+            persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
             worker_init_fn=seed_worker,
             generator=torch.Generator().manual_seed(self.seed),

@@ -17,7 +17,7 @@ from torchmetrics.classification import (
 )
 
 from vitlab import models
-from vitlab.tblog import confusion_matrix_figure, tensorboard_writer
+from vitlab.tblog import confusion_matrix_figure, figures_due, logging_step, tensorboard_writer
 
 
 class ClassificationModule(pl.LightningModule):
@@ -141,10 +141,10 @@ class ClassificationModule(pl.LightningModule):
             value = float(value)
             best = self.best_val.get(name)
             self.best_val[name] = value if best is None else max(best, value)
-        if self.trainer.is_global_zero:
+        if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
             writer = tensorboard_writer(self.trainer)
             if writer is not None:
-                writer.add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, self.class_names), self.current_epoch)
+                writer.add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, self.class_names), logging_step(self.trainer))  # val/*'s step
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._step(batch, self.test_metrics, "test")
@@ -158,8 +158,9 @@ class ClassificationModule(pl.LightningModule):
         if not self.best_val:
             return
         metrics = {f"hp/best_val_{k}": v for k, v in self.best_val.items()}
+        step = max(logging_step(self.trainer) - 1, 0)  # the last epoch's step: a resumed run adds a point, not a duplicate
         for logger in self.loggers:
-            logger.log_hyperparams(dict(self.hparams), metrics=metrics)
+            logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
 
     def configure_optimizers(self):
         groups = models.parameter_groups(self.model, weight_decay=self.hparams.weight_decay, layer_decay=self.hparams.layer_decay)
