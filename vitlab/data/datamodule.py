@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from vitlab.data.cache import ArrayCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
+from vitlab.data.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.io import ImageReader, ReadOptions
 from vitlab.data.layouts import SPLITS, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
@@ -57,7 +58,8 @@ class MedicalDataModule(pl.LightningDataModule):
         std: Normalize std per channel; None -> ImageNet.
         cache: Keep decoded arrays on disk so epochs >= 2 skip decoding.
         cache_dir: Folder of that cache; None -> ``$VITLAB_CACHE/arrays`` or ``~/.cache/vitlab/arrays``.
-        embedded_kwargs: Arguments of ``vitlab.data.synthetic.generate`` when ``root`` is None.
+        embedded_kwargs: Options of the embedded dataset when ``root`` is None (:class:`EmbeddedOptions` or a
+            dict of its fields; typed, so ``--data.embedded_kwargs.patients 24`` reaches it as an int).
         classes: Fix the class names and their order; any other label is an error.
     """
 
@@ -83,10 +85,12 @@ class MedicalDataModule(pl.LightningDataModule):
         std: list[float] | None = None,
         cache: bool = False,
         cache_dir: str | None = None,
-        embedded_kwargs: dict | None = None,
+        embedded_kwargs: EmbeddedOptions | None = None,
         classes: list[str] | None = None,
     ) -> None:
         super().__init__()
+        embedded = embedded_options(embedded_kwargs)
+        embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
         self.save_hyperparameters(ignore=["train_transforms"])
         _check_positive(image_size=image_size, batch_size=batch_size)
         if num_workers < 0:
@@ -115,7 +119,7 @@ class MedicalDataModule(pl.LightningDataModule):
         if root is None:
             from vitlab.data.synthetic import embedded_dataset  # lazy: see vitlab.data.__getattr__
 
-            self.root = embedded_dataset(**(embedded_kwargs or {}))
+            self.root = embedded_dataset(**embedded_kwargs)
         else:
             self.root = Path(root).expanduser()
         layout = scan(self.root, classes=classes, on_bad_file=on_bad_file)
