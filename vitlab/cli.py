@@ -101,20 +101,20 @@ def _trainer_defaults() -> dict[str, Any]:
     }
 
 
-def _report(trainer) -> None:
+def _report(trainer, checkpoints: list[tuple[Any, str, Any]]) -> None:
+    """The closing lines; ``checkpoints`` = (monitor, path, score) per checkpointer, taken before testing
+    (testing the best checkpoint restores the checkpointers' state as it was when that file was written)."""
     log_dir = Path(trainer.log_dir or ".")
     root = log_dir.parent.parent if log_dir.parent.parent != Path("") else log_dir
     print("\nvitlab: run finished.")
     print(f"  run folder   : {log_dir}")
-    for ckpt_cb in trainer.checkpoint_callbacks:
-        path = ckpt_cb.best_model_path
+    for monitor, path, score in checkpoints:
         if not path:
             continue
-        if ckpt_cb.monitor is None:
+        if monitor is None:
             print(f"  last weights : {path}  (resume: --ckpt_path {path})")
         else:
-            score = ckpt_cb.best_model_score
-            note = f"  ({ckpt_cb.monitor} = {float(score):.4f})" if score is not None else ""
+            note = f"  ({monitor} = {float(score):.4f})" if score is not None else ""
             print(f"  best weights : {path}{note}")
     print(f"  view it with : tensorboard --logdir {root} --host 127.0.0.1")
 
@@ -140,11 +140,12 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
         if cli.trainer.is_global_zero:  # leave no stub version_N folder for TensorBoard to list
             cli_support.remove_stub_run(log_dir, existed, cli.trainer.global_step)
         raise
+    checkpoints = [(cb.monitor, cb.best_model_path, cb.best_model_score) for cb in cli.trainer.checkpoint_callbacks]
     if getattr(cli.datamodule, "has_test", False) and not cli.trainer.interrupted:
         best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path
         cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best" if best else None)
     if cli.trainer.is_global_zero:
-        _report(cli.trainer)
+        _report(cli.trainer, checkpoints)
     return cli
 
 

@@ -171,6 +171,8 @@ class MedicalDataModule(pl.LightningDataModule):
         missing = [c for c in self.class_names if not any(s.label == c and s.split == "train" for s in samples)]
         if missing:
             warnings.warn(f"{self.root}: class(es) {missing} have no training images", stacklevel=2)
+        if not self._layout.has_split_column and self.val_fraction > 0:
+            _check_validation(self.root, samples, self.val_fraction)
         self._samples = samples
         return samples
 
@@ -236,6 +238,24 @@ class MedicalDataModule(pl.LightningDataModule):
                 f"{self.root}: no test split; set test_fraction > 0 or add split=test rows to the manifest"
             )
         return self._loader("test", train=False)
+
+
+def _check_validation(root: Path, samples: list[Sample], val_fraction: float) -> None:
+    """An empty validation split stops the run (nothing to monitor); a class missing from it is warned about."""
+    patients: dict[str, set] = {}
+    for sample in samples:
+        patients.setdefault(sample.label, set()).add(sample.patient_id)
+    counts = ", ".join(f"{label}: {len(ids)}" for label, ids in sorted(patients.items()))
+    in_val = {s.label for s in samples if s.split == "val"}
+    if not in_val:
+        raise ValueError(
+            f"{root}: the patient-grouped split left validation empty (patients per class: {counts}; "
+            f"val_fraction {val_fraction}); add patients, give the manifest a 'split' column, or raise data.val_fraction")
+    absent = sorted(set(patients) - in_val)
+    if absent:
+        warnings.warn(
+            f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
+            "validation metrics ignore them", stacklevel=3)
 
 
 def _check_positive(**values: int) -> None:

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(module, "LOADS_MODEL", True) and all(getattr(args, k, None) is None for k in ("checkpoint", "config", "model")):
         args.checkpoint = newest_checkpoint()
         print(f"probe.py {args.subcommand}: no model given, using the newest run's checkpoint {args.checkpoint}", file=sys.stderr)
+    if hasattr(module, "fill_defaults"):
+        module.fill_defaults(args)
     loaded = load_model(args, device=str(device)) if getattr(module, "LOADS_MODEL", True) else None
     name = getattr(module, "out_name", lambda a, m: (m.run or m.name) if m else args.subcommand)(args, loaded)
     out = prepare_out(args.out, args.subcommand, name, args.overwrite)
