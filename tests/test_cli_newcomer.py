@@ -235,3 +235,24 @@ def test_warnings_print_without_source_line_and_no_litlogger_tip(caplog):
         rank_zero_info("💡 Tip: try installing [litlogger](https://pypi.org/project/litlogger/)")
         rank_zero_info("kept")
     assert "litlogger" not in caplog.text and "kept" in caplog.text
+
+
+def test_readme_and_help_name_papers_not_seed_numbers():
+    from vitlab.probes import build_parser
+
+    parser = build_parser()
+    texts = {"README.md": (REPO / "README.md").read_text()}
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        texts[f"probe.py {name} --help"] = sub.format_help()
+    texts["probe.py --help"] = parser.format_help()
+    texts.update({f"configs/{p.name}": p.read_text() for p in (REPO / "configs").glob("*.yaml")})
+    for where, text in texts.items():
+        for word in ("seed 00", "Seed 00", "seeds 00", "SPEC"):
+            assert word not in text, f"{where} says {word!r}"
+    readme = texts["README.md"]
+    assert "## The papers behind vitlab" in readme
+    for title in ("Embedding Matrix Evolution in Vision Transformers", "Discussion of transformer models",
+                  "Probing Vision Transformer Attention: Image Statistics and Patch Similarity",
+                  "Representation in Vision Transformers and Attentionless Models"):
+        assert title in readme
+    assert "Philip et al." in texts["probe.py mi --help"] and "Attentionless article" in texts["probe.py ablate --help"]

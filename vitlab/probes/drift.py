@@ -1,4 +1,4 @@
-"""probe.py drift: seed 000's Q/K/V comparison of two weight sets, without re-training."""
+"""probe.py drift: the Drotos poster's Q/K/V comparison of two weight sets, without re-training."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layo
 from vitlab.probes.common import add_model_arguments, load_model, newest_checkpoint, run_label
 from vitlab.tblog import write_csv
 
-HELP = """Compare the Q/K/V weights of two checkpoints (seed 000): per-row cosine distance, Euclidean, MSE, dot.
+HELP = """Compare the Q/K/V weights of two checkpoints (Drotos poster): per-row cosine distance, Euclidean, MSE, dot.
 
 Each of --reference / --finetuned is a vitlab checkpoint (.ckpt), a Q/K/V snapshot (runs/.../qkv/epoch_000.safetensors)
 or a weights file of the --model architecture. Writes TensorBoard scalars, heatmaps, histograms, spectra and drift.csv.
