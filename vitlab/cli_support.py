@@ -141,8 +141,10 @@ def unknown_keys(parser, argv: list[str]) -> list[str]:
     dests = _dests(parser)
     problems: list[str] = []
     for i, token in enumerate(argv):
-        if token in ("--config", "-c") and i + 1 < len(argv):
-            path = Path(argv[i + 1])
+        value = argv[i + 1] if token in ("--config", "-c") and i + 1 < len(argv) else None
+        value = token.split("=", 1)[1] if token.startswith("--config=") else value
+        if value is not None:
+            path = Path(value)
             if not path.is_file():
                 continue
             try:
