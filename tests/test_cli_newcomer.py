@@ -148,6 +148,14 @@ def test_mistyped_option_is_one_line_with_the_closest_key(tmp_path, monkeypatch,
     assert len(err) <= 2
 
 
+def test_wrongly_typed_nested_value_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        train_main(["--config", "quickstart", "--data.embedded_kwargs.patients", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "vitlab: error: data.embedded_kwargs.patients: Expected a <class 'int'>. Got value: x" and len(err) == 2
+
+
 def test_every_unknown_key_of_a_file_at_once(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     typo = tmp_path / "typo.yaml"

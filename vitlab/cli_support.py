@@ -90,11 +90,25 @@ def parser_class() -> type:
             if problems:
                 print(f"vitlab: error: unknown option(s): {'; '.join(problems)}", file=sys.stderr)
             else:
-                print(f"vitlab: error: {message}", file=sys.stderr)
+                print(f"vitlab: error: {short_error(message)}", file=sys.stderr)
             print(f"  (python {prog} --help lists every option)", file=sys.stderr)
             sys.exit(2)
 
     return VitlabArgumentParser
+
+
+def short_error(message: str) -> str:
+    """jsonargparse's nested type error as one line: ``data.embedded_kwargs.patients: Expected a <class 'int'>. Got value: x``."""
+    import re
+
+    keys: list[str] = []
+    for line in message.splitlines():
+        found = re.search(r'Parser key "([^"]+)":', line)
+        if found:
+            keys.append(found.group(1))
+        elif keys and "Expected a" in line and "NoneType" not in line:
+            return f"{'.'.join(keys)}: {line.strip()}"
+    return message
 
 
 def _dests(parser) -> set[str]:
