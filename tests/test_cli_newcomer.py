@@ -104,7 +104,12 @@ def test_embedded_options_are_typed_on_the_command_line():
     dotted = _print_config("--data.embedded_kwargs.patients", "24", "--model.model_kwargs.embed_dim", "16")
     assert dotted["data"]["embedded_kwargs"]["patients"] == 24 and dotted["data"]["embedded_kwargs"]["size"] == 64
     assert dotted["model"]["model_kwargs"]["embed_dim"] == 16
-    inline = _print_config("--data.embedded_kwargs", "{patients: 24, difficulty: 0.5}")
+
+
+def test_embedded_options_inline_mapping_is_typed(capsys):
+    with pytest.raises(SystemExit):  # --print_config exits after printing
+        fit(["--config", "quickstart", "--data.embedded_kwargs", "{patients: 24, difficulty: 0.5}", "--print_config"])
+    inline = yaml.safe_load(capsys.readouterr().out)
     assert inline["data"]["embedded_kwargs"]["patients"] == 24 and inline["data"]["embedded_kwargs"]["difficulty"] == 0.5
 
 
