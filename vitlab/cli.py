@@ -10,6 +10,7 @@ from typing import Any, Optional
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
+from vitlab import cli_support
 from vitlab.data import MedicalDataModule
 from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: F401 - Lightning-free, shared with probe.py
 from vitlab.training import ClassificationModule
@@ -26,6 +27,21 @@ class VitlabCLI(LightningCLI):
       ``checkpoints/`` with best + last); resuming from ``.../checkpoints/last.ckpt`` appends to the same
       run folder.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        self.parser_class = cli_support.parser_class()  # unknown keys: one line each, closest valid key
+        return super().init_parser(**kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if args is None:  # --config quickstart -> configs/quickstart.yaml
+            sys.argv[1:] = cli_support.resolve_config_args(sys.argv[1:])
+        elif isinstance(args, list):
+            args = cli_support.resolve_config_args(args)
+        super().parse_arguments(parser, args)
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        cli_support.save_recipe(self.trainer, self._recipe)  # config.yaml repeats the run, never re-resumes
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -59,6 +75,7 @@ class VitlabCLI(LightningCLI):
         parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
+        self._recipe = cli_support.clean_recipe(self.config)
         ckpt_path = self.config.get("ckpt_path")
         if not ckpt_path:
             return
@@ -70,7 +87,7 @@ class VitlabCLI(LightningCLI):
             # runs/<name>/<version>/checkpoints/last.ckpt -> log into runs/<name>/<version> again
             version_dir = ckpt.resolve().parent.parent
             init = logger.init_args if hasattr(logger, "init_args") else logger
-            init.save_dir = str(version_dir.parent.parent)
+            init.save_dir = cli_support.resume_save_dir(ckpt, version_dir)
             init.name = version_dir.parent.name
             init.version = version_dir.name
 
@@ -85,26 +102,27 @@ def _trainer_defaults() -> dict[str, Any]:
     }
 
 
-def _report(trainer) -> None:
+def _report(trainer, checkpoints: list[tuple[Any, str, Any]]) -> None:
+    """The closing lines; ``checkpoints`` = (monitor, path, score) per checkpointer, taken before testing
+    (testing the best checkpoint restores the checkpointers' state as it was when that file was written)."""
     log_dir = Path(trainer.log_dir or ".")
     root = log_dir.parent.parent if log_dir.parent.parent != Path("") else log_dir
     print("\nvitlab: run finished.")
     print(f"  run folder   : {log_dir}")
-    for ckpt_cb in trainer.checkpoint_callbacks:
-        path = ckpt_cb.best_model_path
+    for monitor, path, score in checkpoints:
         if not path:
             continue
-        if ckpt_cb.monitor is None:
+        if monitor is None:
             print(f"  last weights : {path}  (resume: --ckpt_path {path})")
         else:
-            score = ckpt_cb.best_model_score
-            note = f"  ({ckpt_cb.monitor} = {float(score):.4f})" if score is not None else ""
+            note = f"  ({monitor} = {float(score):.4f})" if score is not None else ""
             print(f"  best weights : {path}{note}")
     print(f"  view it with : tensorboard --logdir {root} --host 127.0.0.1")
 
 
 def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data)."""
+    cli_support.quiet_output()
     cli = VitlabCLI(
         ClassificationModule,
         MedicalDataModule,
@@ -122,17 +140,26 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
         from vitlab.tblog import purge_after_checkpoint
 
         purge_after_checkpoint(cli.trainer, cli.config.get("ckpt_path"))  # no duplicate points after a kill
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    log_dir = Path(cli.trainer.log_dir) if cli.trainer.log_dir else None
+    existed = log_dir is not None and log_dir.exists()
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except BaseException:
+        if cli.trainer.is_global_zero:  # leave no stub version_N folder for TensorBoard to list
+            cli_support.remove_stub_run(log_dir, existed, cli.trainer.global_step)
+        raise
+    checkpoints = [(cb.monitor, cb.best_model_path, cb.best_model_score) for cb in cli.trainer.checkpoint_callbacks]
     if getattr(cli.datamodule, "has_test", False) and not cli.trainer.interrupted:
         best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path
         cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best" if best else None)
     if cli.trainer.is_global_zero:
-        _report(cli.trainer)
+        _report(cli.trainer, checkpoints)
     return cli
 
 
 def train_main(args: list[str] | None = None) -> None:
     """Entry point of ``train.py``: :func:`fit` with one-line errors for bad input."""
+    cli_support.quiet_output(one_line_warnings=True)
     try:
         fit(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

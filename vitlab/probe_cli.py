@@ -25,8 +25,10 @@ def _is_user_error(err: BaseException) -> bool:
 
 def probe_main(args: list[str] | None = None) -> None:
     """Entry point of ``probe.py``."""
+    from vitlab import cli_support
     from vitlab.probes import main
 
+    cli_support.quiet_output(one_line_warnings=True)
     try:
         main(args)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as err:

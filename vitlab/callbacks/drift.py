@@ -198,7 +198,7 @@ def report_drift(
 
 
 class QKVDrift(EpochCallback, pl.Callback):
-    """Logs seed 000's Q/K/V drift every epoch: against the reference (fit start) and the previous epoch.
+    """Logs the Drotos poster's Q/K/V drift every epoch: against the reference (fit start) and the previous epoch.
 
     TensorBoard (no tag explosion): scalars ``drift/<metric>/<block>.<q|k|v>`` (mean over rows, vs the
     reference), ``drift_stage/...`` and ``drift_global/...`` aggregates, ``drift_step/...`` (vs the previous

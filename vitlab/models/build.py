@@ -139,10 +139,12 @@ def _hub_offline(enabled: bool) -> Iterator[None]:
 
 
 def _unavailable(name: str, reason: str) -> PretrainedWeightsUnavailable:
-    return PretrainedWeightsUnavailable(
+    err = PretrainedWeightsUnavailable(
         f"pretrained weights for {name!r} are not available ({reason}): set `model.weights: /path/to/file` "
         f"(a timm/torchvision state_dict, .safetensors file or vitlab checkpoint) or train from scratch "
         f"with `model.pretrained: false`")
+    err.reason = reason  # the probe CLI words its own advice (--weights FILE)
+    return err
 
 
 def _download_errors() -> tuple[type[BaseException], ...]:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse, load the model, run the subcommand; Ctrl-C keeps what is finished."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from vitlab.probes.common import ProbeContext, load_model, prepare_out
+    from vitlab.probes.common import ProbeContext, load_model, newest_checkpoint, prepare_out
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("--ablate"):
@@ -83,8 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(SUBCOMMANDS[args.subcommand])
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
+    if getattr(module, "LOADS_MODEL", True) and all(getattr(args, k, None) is None for k in ("checkpoint", "config", "model")):
+        args.checkpoint = newest_checkpoint()
+        print(f"probe.py {args.subcommand}: no model given, using the newest run's checkpoint {args.checkpoint}", file=sys.stderr)
+    if hasattr(module, "fill_defaults"):
+        module.fill_defaults(args)
     loaded = load_model(args, device=str(device)) if getattr(module, "LOADS_MODEL", True) else None
-    name = getattr(module, "out_name", lambda a, m: m.name if m else args.subcommand)(args, loaded)
+    name = getattr(module, "out_name", lambda a, m: (m.run or m.name) if m else args.subcommand)(args, loaded)
     out = prepare_out(args.out, args.subcommand, name, args.overwrite)
     writer = SummaryWriter(log_dir=str(out))
     ctx = ProbeContext(args=args, subcommand=args.subcommand, out=out, device=device, writer=writer, loaded=loaded)

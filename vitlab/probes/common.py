@@ -70,6 +70,7 @@ class LoadedModel:
     build: dict[str, Any] = field(default_factory=dict)  # build_model arguments (to make a fresh copy)
     data: dict[str, Any] | None = None  # the training config's data section, when known
     class_names: list[str] | None = None  # names of the head's outputs, when the checkpoint knows them
+    run: str | None = None  # "<name>-<version>" when the checkpoint lives in a run folder (names the output folder)
 
     def fresh(self, seed: int = 0) -> nn.Module:
         """An untrained model of the same architecture (for transplant / untrained baselines)."""
@@ -120,7 +121,8 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         model = models.build_model(**build)
         models.load_weights(model, state)
         names = hp.get("class_names")
-        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data, list(names) if names else None)
+        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data,
+                           list(names) if names else None, run_label(Path(checkpoint)))
     if name is None:
         raise ValueError(f"no model given: use {flag}checkpoint PATH.ckpt, {flag}config RUN/config.yaml or {flag}model NAME [{flag}pretrained | {flag}weights FILE]")
     kwargs = json.loads(get("model_kwargs")) if get("model_kwargs") else {}
@@ -128,8 +130,34 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         raise ValueError(f"{flag}model-kwargs must be a JSON object, got {get('model_kwargs')!r}")
     build = dict(name=name, num_classes=get("num_classes") or (1000 if get("pretrained") else 2), in_chans=get("in_chans") or 3,
                  pretrained=bool(get("pretrained")), weights=str(get("weights")) if get("weights") else None, **kwargs)
-    model = models.build_model(**build)
+    try:
+        model = models.build_model(**build)
+    except models.PretrainedWeightsUnavailable as err:
+        reason = getattr(err, "reason", None) or str(err)
+        raise models.PretrainedWeightsUnavailable(
+            f"{flag}pretrained: weights for {name!r} are not available ({reason}); pass {flag}weights FILE "
+            f"(a timm/torchvision state_dict, .safetensors file or vitlab checkpoint) instead, or drop {flag}pretrained "
+            "to probe an untrained model") from None
     return LoadedModel(_prepare(model, None, device), name, str(get("weights") or ("pretrained" if get("pretrained") else "untrained")), build, data)
+
+
+def run_label(checkpoint: Path) -> str | None:
+    """``runs/quickstart/version_0/checkpoints/last.ckpt`` -> ``"quickstart-version_0"`` (None outside a run folder)."""
+    path = Path(checkpoint).resolve()
+    if path.parent.name != "checkpoints" or not (path.parent.parent / "config.yaml").is_file():
+        return None
+    version = path.parent.parent
+    return f"{version.parent.name}-{version.name}"
+
+
+def newest_checkpoint(runs: Path = Path("runs")) -> Path:
+    """The newest ``runs/**/checkpoints/last.ckpt`` by modification time (the default model of every probe)."""
+    found = sorted(Path(runs).glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime) if Path(runs).is_dir() else []
+    if not found:
+        raise FileNotFoundError(
+            f"no model given and no trained run in {runs}/ (no {runs}/**/checkpoints/last.ckpt): train one first with "
+            "`python train.py --config configs/quickstart.yaml`, or name a model with --checkpoint, --config or --model")
+    return found[-1]
 
 
 def _prepare(model: nn.Module, ablate: dict[str, Any] | None, device: str) -> nn.Module:

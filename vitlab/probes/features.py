@@ -1,4 +1,4 @@
-"""probe.py features: k-NN / linear accuracy of each block's frozen features, and CKA between two models (seed 001)."""
+"""probe.py features: k-NN / linear accuracy of each block's frozen features, and CKA between two models (Veta lecture)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vitlab.probes.activations import add_recording_arguments, record_batches, s
 from vitlab.probes.common import LoadedModel, add_common_arguments, add_model_arguments
 from vitlab.tblog import write_csv
 
-HELP = """Layer-wise frozen-feature evaluation (seed 001's k-NN / linear table, per depth) and CKA between two models.
+HELP = """Layer-wise frozen-feature evaluation (the Veta lecture's k-NN / linear table, per depth) and CKA between two models.
 
 Each block's output is pooled (class token, or the token mean without one) on the data's train split and the
 evaluation split (--split, default val); a k-NN (cosine, k = 20) and a logistic-regression classifier fitted on

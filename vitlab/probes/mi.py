@@ -1,4 +1,4 @@
-"""probe.py mi: mutual information between neurons against spatial distance (seed 002, Fig. 4)."""
+"""probe.py mi: mutual information between neurons against spatial distance (Philip et al., Fig. 4)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, can
 from vitlab.probes.common import add_common_arguments, progress
 from vitlab.tblog import write_csv
 
-HELP = """Mutual information between neurons against spatial distance, per block and sub-layer (seed 002, Fig. 4).
+HELP = """Mutual information between neurons against spatial distance, per block and sub-layer (Philip et al., Fig. 4).
 
 A neuron is one (channel, token) of a sub-layer output over N images. The centre token's neuron of each of K
 centre channels is paired with the same channel at every token (mi_same) and with other channels (mi_cross);
@@ -58,7 +58,7 @@ def load_neurons(ctx):
         raise ValueError(f"--num-images {requested}: the image source has only {count} images; lower --num-images or add images")
     minimum = max(8, (ctx.args.bins or 2) if ctx.args.binned_channels else 0)
     if count < minimum:
-        raise ValueError(f"probe.py mi: {count} images are too few for MI estimates (need at least {minimum}; seed 002 used thousands)")
+        raise ValueError(f"probe.py mi: {count} images are too few for MI estimates (need at least {minimum}; Philip et al. used thousands)")
     if count < WARN_BELOW:
         warnings.warn(f"probe.py mi: only {count} images: MI estimates are noisy below {WARN_BELOW} (default {DEFAULT_IMAGES} when the data has them)", stacklevel=2)
     return stream, count
@@ -269,7 +269,7 @@ def block_figure(view, results: dict[str, dict[str, object]], count: int):
 
 
 def layers_figure(site: str, stage: int, curves: list[tuple[str, dict[str, object]]], count: int):
-    """Seed 002's Fig. 4: the same-channel MI curve of every block of a stage, coloured by depth."""
+    """Philip et al.'s Fig. 4: the same-channel MI curve of every block of a stage, coloured by depth."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(curves), 1)))
     for color, (name, result) in zip(colors, curves):

@@ -1,4 +1,4 @@
-"""probe.py spectra: the QK bilinear form's spectra of a checkpoint (seed 002, Fig. 5), as the QKSpectra callback."""
+"""probe.py spectra: the QK bilinear form's spectra of a checkpoint (Philip et al., Fig. 5), as the QKSpectra callback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layo
 from vitlab.probes.activations import require_attention
 from vitlab.probes.common import add_common_arguments
 
-HELP = """Spectra of each block's QK bilinear form W_Q W_K^T (seed 002, Fig. 5), the same as the QKSpectra callback.
+HELP = """Spectra of each block's QK bilinear form W_Q W_K^T (Philip et al., Fig. 5), the same as the QKSpectra callback.
 
 Per block and head: eigenvalues of the symmetric part (positive mass), the +-i lambda pairs of the antisymmetric
 part, the symmetry score and the singular values (effective rank); also for the head-summed matrix. Writes the

@@ -1,4 +1,4 @@
-"""probe.py stats: excess kurtosis of every neuron and activation histograms, per block and sub-layer (seed 002)."""
+"""probe.py stats: excess kurtosis of every neuron and activation histograms, per block and sub-layer (Philip et al.)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, can
 from vitlab.probes.common import add_common_arguments
 from vitlab.tblog import write_csv
 
-HELP = """Excess kurtosis of every neuron and activation histograms, per block and sub-layer (seed 002).
+HELP = """Excess kurtosis of every neuron and activation histograms, per block and sub-layer (Philip et al.).
 
 A neuron is one (channel, token) of a sub-layer output over N images; its excess kurtosis m4/m2^2 - 3 (scipy's
 convention: 0 for a Gaussian, > 0 for heavy tails) is accumulated batch by batch, so N is not limited by memory.
