@@ -21,7 +21,7 @@ class DenseDataModule(MedicalDataModule):
     Args:
         mask_classes: Foreground class names; mask value ``i`` is ``mask_classes[i - 1]``.
         coco_json: A COCO instances JSON (third layout): its images and categories replace ``root``
-            (masks are rasterised into ``coco_mask_dir``, default beside the JSON) and ``mask_classes``.
+            (masks are rasterised into ``coco_mask_dir``, default the vitlab cache) and ``mask_classes``.
         coco_mask_dir: Where the rasterised COCO masks and their manifest are written.
         Other arguments: as :class:`~vitlab.data.MedicalDataModule` (``root`` None -> the embedded
             synthetic set, whose manifest has a ``mask`` column with the lesion outlines).

@@ -5,7 +5,8 @@ Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normaliz
 Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_attention`,
 :func:`capture`, :func:`forward_until`. Supported families: timm ViT/DeiT, timm Swin (v1), timm
 MLP-Mixer, torchvision ViT and torchvision Swin (v1); one adapter each in ``timm_families`` /
-``torchvision_families``.
+``torchvision_families``. Task models: :func:`build_detector` (Mask R-CNN) and :func:`build_segmenter`
+around a timm ViT / Swin; every function above sees their backbone (``vitlab_backbone()``).
 """
 
 from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
@@ -24,6 +25,7 @@ from vitlab.models.anatomy import (
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
 from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
+from vitlab.models.dense import DETECTION_HEADS, backbone_state, build_detector, build_segmenter
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
 from vitlab.models.weights import LoadReport, WeightsMismatchError, load_weights, read_state_dict
@@ -32,6 +34,7 @@ __all__ = [
     "AttentionRecord",
     "BlockView",
     "CAPTURE_SITES",
+    "DETECTION_HEADS",
     "Capture",
     "Embeddings",
     "LoadReport",
@@ -43,8 +46,11 @@ __all__ = [
     "ablated",
     "ablation_components",
     "ablation_state",
+    "backbone_state",
     "blocks",
+    "build_detector",
     "build_model",
+    "build_segmenter",
     "capture",
     "dense_window_attention",
     "embeddings",
