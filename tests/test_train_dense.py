@@ -65,6 +65,15 @@ def test_dense_fit_logs_metrics_and_drift_and_resumes(task, metrics, tmp_path, m
     live = qkv_state(cli.model.model)
     assert snap.keys() == live.keys() and all(torch.equal(snap[k], live[k]) for k in live)
 
+    # probes given the checkpoint see the same backbone (a classifier built around it)
+    import argparse
+
+    from vitlab.probes.common import load_model
+
+    loaded = load_model(argparse.Namespace(checkpoint=run / "checkpoints" / "last.ckpt"))
+    probed = qkv_state(loaded.model)
+    assert probed.keys() == live.keys() and all(torch.equal(probed[k], live[k]) for k in live)
+
     fit(dense_args(task, tmp_path / "runs", epochs=2, extra=["--ckpt_path", str(run / "checkpoints" / "last.ckpt")]))
     assert not (tmp_path / "runs" / task / "version_1").exists()
     assert (run / "qkv" / "epoch_002.safetensors").is_file()
