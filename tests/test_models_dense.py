@@ -101,6 +101,8 @@ def test_weights_move_between_classifier_and_detector(tmp_path):
                                      model_kwargs=kwargs)
     moved = models.backbone_state(detector)
     assert moved and all(torch.equal(v, classifier.state_dict()[k]) for k, v in moved.items())
+    report = detector.backbone.weights_report
+    assert set(report.loaded_keys) == set(moved) and report.head_reset  # the 2-class head was left out
 
     detector = randomise(detector)
     torch.save({"state_dict": {f"model.{k}": v for k, v in detector.state_dict().items()}}, tmp_path / "det.ckpt")

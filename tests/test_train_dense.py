@@ -104,6 +104,17 @@ def test_detection_metric_path_perfect_and_empty():
     assert values["val/map_50"] == 0.0 and values["val/mask_map"] == 0.0
 
 
+def test_module_reports_the_backbone_keys_it_loaded(tmp_path, capsys):
+    from vitlab import models
+
+    classifier = models.build_model(SWIN["model_name"], num_classes=2, in_chans=1, img_size=32, **SWIN["model_kwargs"])
+    torch.save({"state_dict": {f"model.{k}": v for k, v in classifier.state_dict().items()}}, tmp_path / "c.ckpt")
+    module = SegmentationModule(num_classes=1, image_size=32, weights=str(tmp_path / "c.ckpt"), **SWIN)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    n = len(models.backbone_state(module.model))
+    assert f"{n} backbone tensors loaded" in line and "c.ckpt" in line and "head was left out" in line
+
+
 def test_segmentation_metric_path_perfect_and_empty():
     module = SegmentationModule(num_classes=1, image_size=32, class_names=["lesion"], **SWIN)
     mask = planted_targets()["masks"].amax(dim=0, keepdim=True).long()  # (1, H, W) label map

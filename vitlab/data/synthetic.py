@@ -10,9 +10,9 @@ through patient appearance; a split that is not grouped by patient leaks). Lesio
 (small ones are the hard cases), edge sharpness, hypo- or hyperdensity and texture
 (homogeneous, heterogeneous, rim-enhancing); ``difficulty`` scales their contrast and size (0:
 obvious, 1: barely above the noise). ``manifest.csv`` has ``path,label,patient_id,mask`` and no split
-column, so vitlab's patient-grouped split applies; ``mask`` is each slice's lesion label map (PNG beside
-the DICOM, uint8: 0 background, 1 lesion, the inside of the outlines that were drawn), for detection and
-segmentation. Everything is deterministic by ``seed``.
+column, so vitlab's patient-grouped split applies; ``mask`` is each slice's lesion label map
+(``masks/P0000/slice_00.png``, uint8: 0 background, 1 lesion, the inside of the outlines that were drawn),
+for detection and segmentation. Everything is deterministic by ``seed``.
 
 Run ``python -m vitlab.data.synthetic --out DIR`` or call :func:`generate`;
 :func:`embedded_dataset` keeps one generated copy per parameter set in the cache folder.
@@ -37,7 +37,7 @@ from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 
 from vitlab.data.cache import cache_root
 
-GENERATOR_VERSION = 2  # bump when the generated images change
+GENERATOR_VERSION = 3  # bump when the generated images change
 LABELS = ("lesion", "no_lesion")
 _INTERCEPT_HU = -1024.0
 
@@ -230,7 +230,8 @@ def generate(
         for k in range(slices):
             rel = f"P{p:04d}/slice_{k:02d}.dcm"
             _write_slice(out / rel, volume[k], seed, p, k, size_mm=350.0)
-            mask_rel = f"P{p:04d}/slice_{k:02d}_mask.png"
+            mask_rel = f"masks/P{p:04d}/slice_{k:02d}.png"  # a parallel tree: image folders hold images only
+            (out / mask_rel).parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(masks[k]).save(out / mask_rel)
             rows.append((rel, LABELS[0] if has_lesion[k] else LABELS[1], f"SYN{seed:03d}-{p:04d}", mask_rel))
     manifest = out / "manifest.csv"

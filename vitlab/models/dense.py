@@ -27,6 +27,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from vitlab.models.adapter import UnsupportedModelError
 from vitlab.models.build import build_model
+from vitlab.models.weights import load_weights
 
 __all__ = ["BACKBONE_PREFIX", "DETECTION_HEADS", "FeatureBackbone", "build_detector", "build_segmenter"]
 
@@ -107,15 +108,18 @@ class FeatureBackbone(nn.Module):
 def _backbone(name: str, in_chans: int, pretrained: bool, weights: Optional[str], model_kwargs: dict,
               out_channels: int) -> FeatureBackbone:
     """The timm model without its head (weights: a classifier / detector checkpoint or timm weights)."""
-    body = build_model(name, num_classes=1, in_chans=in_chans, pretrained=pretrained, weights=weights,
+    body = build_model(name, num_classes=1, in_chans=in_chans, pretrained=pretrained and weights is None,
                        **model_kwargs)
+    report = load_weights(body, weights) if weights is not None else None
     if not hasattr(body, "forward_intermediates") or not hasattr(body, "reset_classifier"):
         raise UnsupportedModelError(f"model {name!r}: detection / segmentation need a timm ViT or Swin "
                                     "backbone (forward_intermediates)")
     if not hasattr(body, "layers") and not hasattr(body, "embed_dim"):
         raise UnsupportedModelError(f"model {name!r} is neither a timm ViT nor a timm Swin")
     body.reset_classifier(0)
-    return FeatureBackbone(body, out_channels)
+    backbone = FeatureBackbone(body, out_channels)
+    backbone.weights_report = report  # which keys moved (None without ``weights``)
+    return backbone
 
 
 class MaskRCNNDetector(MaskRCNN):

@@ -236,7 +236,8 @@ def _expand_images(paths: list[str]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+                            and "masks" not in f.relative_to(p).parts[:-1])  # label maps (vitlab.data.dense) are not images
         elif p.is_file():
             files.append(p)
         else:

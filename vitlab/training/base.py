@@ -23,8 +23,17 @@ class TaskModule(pl.LightningModule):
         super().__init__()
         self.best_val: dict[str, float] = {}
 
+    def _report_weights(self) -> None:
+        """One line saying which backbone tensors a ``weights:`` file gave a detector / segmenter."""
+        report = getattr(getattr(self.model, "backbone", None), "weights_report", None)
+        if report is not None:
+            keys = report.loaded_keys
+            print(f"vitlab: {report.source}: {len(keys)} backbone tensors loaded ({keys[0]} ... {keys[-1]})"
+                  + ("; its classifier head was left out" if report.head_reset else ""))
+
     def _intervene(self, ablate: dict[str, Any] | None, freeze: list[str] | None) -> None:
         """Encoder ablation and freezing of backbone parts (after the weights are loaded)."""
+        self._report_weights()
         if ablate:
             models.ablate(self.model, **ablate)
         if freeze:

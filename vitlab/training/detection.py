@@ -33,7 +33,8 @@ class DetectionModule(TaskModule):
         heads: ``"light"`` (2-core CPU sizes) or ``"full"`` (torchvision's defaults).
         head_kwargs: Overrides of :data:`vitlab.models.DETECTION_HEADS` keys (``fpn_channels``, ``anchor_base`` ...).
         model_kwargs: Backbone constructor arguments.
-        ablate, freeze, lr, weight_decay, layer_decay, warmup_epochs, min_lr_ratio: as the classifier's.
+        ablate, freeze, lr, weight_decay, layer_decay, warmup_epochs, min_lr_ratio: as the classifier's
+            (``ablate`` / ``freeze`` name backbone parts; pyramid and heads train with the last layer's LR).
         class_names: Foreground class names (linked from ``data.mask_classes``).
     """
 
