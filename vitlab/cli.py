@@ -11,11 +11,17 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from vitlab import cli_support
-from vitlab.data import MedicalDataModule
+from vitlab.data import DenseDataModule, MedicalDataModule
 from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: F401 - Lightning-free, shared with probe.py
-from vitlab.training import ClassificationModule
+from vitlab.training import ClassificationModule, DetectionModule, SegmentationModule
 
 TENSORBOARD_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
+# task -> (LightningModule, DataModule, checkpoint monitor); chosen by the config's top-level ``task:`` key
+TASKS = {
+    "classification": (ClassificationModule, MedicalDataModule, "val/balanced_acc"),
+    "detection": (DetectionModule, DenseDataModule, "val/map_50"),
+    "segmentation": (SegmentationModule, DenseDataModule, "val/dice"),
+}
 
 
 class VitlabCLI(LightningCLI):
@@ -27,6 +33,10 @@ class VitlabCLI(LightningCLI):
       ``checkpoints/`` with best + last); resuming from ``.../checkpoints/last.ckpt`` appends to the same
       run folder.
     """
+
+    def __init__(self, *args: Any, task: str = "classification", **kwargs: Any) -> None:
+        self.task = task
+        super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         self.parser_class = cli_support.parser_class()  # unknown keys: one line each, closest valid key
@@ -45,6 +55,12 @@ class VitlabCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
+            "--task",
+            type=str,
+            default="classification",
+            help=f"What to train: {', '.join(TASKS)} (read before parsing; picks the model and data classes)",
+        )
+        parser.add_argument(
             "--ckpt_path",
             type=Optional[str],
             default=None,
@@ -56,7 +72,7 @@ class VitlabCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "last_checkpoint")
         parser.set_defaults(
             {
-                "checkpoint.monitor": "val/balanced_acc",
+                "checkpoint.monitor": TASKS[self.task][2],
                 "checkpoint.mode": "max",
                 "checkpoint.save_top_k": 1,
                 "checkpoint.filename": "best-epoch{epoch:03d}",
@@ -70,9 +86,14 @@ class VitlabCLI(LightningCLI):
                 "last_checkpoint.save_on_train_epoch_end": True,
             }
         )
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        if self.task == "classification":
+            parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+            parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        else:  # dense tasks: the mask classes, and the input size for the detector's transform
+            parser.link_arguments("data.num_mask_classes", "model.num_classes", apply_on="instantiate")
+            parser.link_arguments("data.mask_classes", "model.class_names", apply_on="instantiate")
+            parser.link_arguments("data.image_size", "model.image_size", apply_on="instantiate")
         parser.link_arguments("data.in_chans", "model.in_chans", apply_on="instantiate")
-        parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         self._recipe = cli_support.clean_recipe(self.config)
@@ -123,9 +144,12 @@ def _report(trainer, checkpoints: list[tuple[Any, str, Any]]) -> None:
 def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data)."""
     cli_support.quiet_output()
+    task = _task_of(args)
+    model_class, data_class, _ = TASKS[task]
     cli = VitlabCLI(
-        ClassificationModule,
-        MedicalDataModule,
+        model_class,
+        data_class,
+        task=task,
         run=False,
         trainer_defaults=_trainer_defaults(),
         seed_everything_default=0,
@@ -155,6 +179,28 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     if cli.trainer.is_global_zero:
         _report(cli.trainer, checkpoints)
     return cli
+
+
+def _task_of(args: list[str] | dict[str, Any] | None) -> str:
+    """The ``task`` a command line / config dict / config file asks for (classification by default)."""
+    import yaml
+
+    task = None
+    if isinstance(args, dict):
+        task = args.get("task")
+    else:
+        argv = list(sys.argv[1:] if args is None else args)
+        for i, arg in enumerate(argv):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            if arg.split("=", 1)[0] in ("--config", "-c") and value and Path(value).is_file():
+                content = yaml.safe_load(Path(value).read_text()) or {}
+                task = content.get("task", task) if isinstance(content, dict) else task
+            elif arg.split("=", 1)[0] == "--task":
+                task = value
+    task = task or "classification"
+    if task not in TASKS:
+        raise ValueError(f"task {task!r} is not one of {list(TASKS)}")
+    return task
 
 
 def train_main(args: list[str] | None = None) -> None:

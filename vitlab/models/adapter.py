@@ -335,8 +335,11 @@ def families_table() -> str:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Returns the plain network inside a ``torch.compile`` wrapper (or the model itself)."""
-    return getattr(model, "_orig_mod", model)
+    """Returns the plain network inside a ``torch.compile`` wrapper (or the model itself), and the backbone
+    of a task model (detector, segmenter) that names it through a ``vitlab_backbone()`` method."""
+    model = getattr(model, "_orig_mod", model)
+    backbone = getattr(model, "vitlab_backbone", None)
+    return unwrap_model(backbone()) if callable(backbone) else model
 
 
 def get_adapter(model: nn.Module) -> FamilyAdapter:

@@ -117,7 +117,10 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         run_config = Path(checkpoint).resolve().parent.parent / "config.yaml"  # runs/<name>/<version>/checkpoints/x.ckpt
         if data is None and Path(checkpoint).resolve().parent.name == "checkpoints" and run_config.is_file():
             data = _read_config(run_config).get("data") or {}  # images default to the run's own data
-        build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
+        kwargs = dict(hp.get("model_kwargs") or {})
+        if "image_size" in hp and "img_size" not in kwargs:  # a detector / segmenter: probe its backbone
+            kwargs["img_size"] = hp["image_size"]
+        build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **kwargs)
         model = models.build_model(**build)
         models.load_weights(model, state)
         names = hp.get("class_names")
@@ -284,7 +287,8 @@ def _expand_images(paths: list[str]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+                            and "masks" not in f.relative_to(p).parts[:-1])  # label maps (vitlab.data.dense) are not images
         elif p.is_file():
             files.append(p)
         else:

@@ -1,5 +1,8 @@
-"""Lightning glue for fine-tuning: the classification module."""
+"""Lightning glue for fine-tuning: one module per task over a shared base."""
 
-from vitlab.training.module import ClassificationModule, warmup_cosine
+from vitlab.training.base import TaskModule, warmup_cosine
+from vitlab.training.detection import DetectionModule
+from vitlab.training.module import ClassificationModule
+from vitlab.training.segmentation import SegmentationModule
 
-__all__ = ["ClassificationModule", "warmup_cosine"]
+__all__ = ["ClassificationModule", "DetectionModule", "SegmentationModule", "TaskModule", "warmup_cosine"]
