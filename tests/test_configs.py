@@ -10,7 +10,8 @@ import pytest
 from vitlab.cli import fit, train_main
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c.stem != "quickstart_pretrained"]
+DENSE = [c for c in CONFIGS if c.stem.startswith("quickstart_")]  # detection / segmentation: need masks
+SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c not in DENSE and c.stem != "quickstart_pretrained"]
 
 
 def test_all_configs_listed():
@@ -43,7 +44,20 @@ def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
         assert ablation_state(cli.model.model), "the config's ablation was not applied"
 
 
-@pytest.mark.parametrize("config", ["medical_swin", "medical_vit"])
+@pytest.mark.parametrize("config", DENSE, ids=lambda c: c.stem)
+def test_dense_config_trains_one_step(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    cli = fit([
+        "--config", str(config), "--data.embedded_kwargs", '{"patients": 4, "slices": 2, "size": 32}',
+        "--data.image_size", "32", "--data.num_workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
+        "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--trainer.precision", "bf16-mixed",  # CPU autocast here; the fp32 path runs in test_train_dense.py
+    ])
+    assert cli.trainer.global_step == 1 and cli.model.hparams.image_size == 32
+
+
+@pytest.mark.parametrize("config", ["medical_swin", "medical_vit", "medical_swin_maskrcnn"])
 def test_pretrained_offline_fails_fast_with_a_way_forward(config, tiny_dataset, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()

@@ -131,7 +131,8 @@ def dino_config(manifest, save_dir, epochs=2):
                     "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
                                   {"class_path": "vitlab.callbacks.QKSpectra"}]},
         "checkpoint": {"monitor": "val/knn_acc"},
-        "model": {"class_path": "vitlab.training.DINOModule", "init_args": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2}},
+        "task": "dino",
+        "model": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
         "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "num_workers": 0, "augment": "none", "val_fraction": 0.25},
     }
     path = save_dir / "dino.yaml"

@@ -16,6 +16,12 @@ from vitlab.models import (
 )
 from vitlab.models.testing import TINY_IMAGE_SIZE, TINY_MODELS, tiny_model
 
+
+def _gamma(gamma):
+    """timm Eva / Beit LayerScale: ``gamma`` or 1 when the model has none."""
+    return 1.0 if gamma is None else gamma
+
+
 # the library's own sub-layers of each family, written directly against timm / torchvision modules
 # (an oracle independent of vitlab's adapters): norm1, branch 1 on the normed input, norm2, branch 2
 LIBRARY_PARTS = {
@@ -26,7 +32,21 @@ LIBRARY_PARTS = {
     "torchvision-vit": (lambda b: b.ln_1, lambda b, h: b.self_attention(h, h, h, need_weights=False)[0],
                         lambda b: b.ln_2, lambda b, h: b.mlp(h)),
     "torchvision-swin": (lambda b: b.norm1, lambda b, h: b.attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
+    # res-post-norm Swin V2: x + norm1(attn(x)), x + norm2(mlp(x)) (see POST_NORM)
+    "timm-swinv2": (lambda b: b.norm1, lambda b, h: b._attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
+    "timm-swinv2-cr": (lambda b: b.norm1, lambda b, h: b._shifted_window_attn(h), lambda b: b.norm2,
+                       lambda b, h: b.mlp(h)),
+    "torchvision-swinv2": (lambda b: b.norm1, lambda b, h: b.attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
+    "timm-eva": (lambda b: b.norm1, lambda b, h: _gamma(b.gamma_1) * b.attn(h), lambda b: b.norm2,
+                 lambda b, h: _gamma(b.gamma_2) * b.mlp(h)),
+    "timm-beit": (lambda b: b.norm1, lambda b, h: _gamma(b.gamma_1) * b.attn(h), lambda b: b.norm2,
+                  lambda b, h: _gamma(b.gamma_2) * b.mlp(h)),
+    "timm-vit-relpos": (lambda b: b.norm1, lambda b, h: b.ls1(b.attn(h)), lambda b: b.norm2,
+                        lambda b, h: b.ls2(b.mlp(h))),
 }
+POST_NORM = {"timm-swinv2", "timm-swinv2-cr", "torchvision-swinv2"}
+# a norm on the stream after both residual adds (Swin V2-Cr norm3: the model's last block), never ablated
+MAIN_NORM = {"timm-swinv2-cr": lambda b: b.norm3}
 VARIANTS = {family: (family, {}) for family in TINY_MODELS}
 VARIANTS["timm-vit-layerscale"] = ("timm-vit", {"init_values": 0.1})
 
@@ -48,13 +68,18 @@ def _block_input(view, batch=2):
 def _expected(family, block, x, keep):
     """SPEC §2: a removed branch is x -> x, a removed residual x -> f(x), a removed norm the identity."""
     norm1, branch1, norm2, branch2 = LIBRARY_PARTS[family]
-    if keep["mixer"]:
-        f = branch1(block, norm1(block)(x) if keep["norm1"] else x)
-        x = x + f if keep["residual_mixer"] else f
-    if keep["mlp"]:
-        f = branch2(block, norm2(block)(x) if keep["norm2"] else x)
-        x = x + f if keep["residual_mlp"] else f
-    return x
+    steps = ((keep["mixer"], norm1, branch1, keep["norm1"], keep["residual_mixer"]),
+             (keep["mlp"], norm2, branch2, keep["norm2"], keep["residual_mlp"]))
+    for on, norm, branch, norm_on, residual_on in steps:
+        if not on:
+            continue
+        if family in POST_NORM:  # res-post-norm: the norm acts on the branch output
+            f = branch(block, x)
+            f = norm(block)(f) if norm_on else f
+        else:
+            f = branch(block, norm(block)(x) if norm_on else x)
+        x = x + f if residual_on else f
+    return MAIN_NORM[family](block)(x) if family in MAIN_NORM else x
 
 
 SINGLE = {  # remove -> switches off
@@ -107,7 +132,9 @@ def test_exact_identities(variant):
         with ablated(model, [mixer, "mlp"], blocks=0):
             assert torch.equal(view.module(x), x)  # both branches removed: exact identity
         with ablated(model, ["mlp", f"residual_{mixer}"], blocks=view.name):
-            assert torch.equal(view.module(x), branch1(view.module, norm1(view.module)(x)))  # ls1(attn(norm1(x)))
+            expected = norm1(view.module)(branch1(view.module, x)) if family in POST_NORM \
+                else branch1(view.module, norm1(view.module)(x))  # ls1(attn(norm1(x))) / norm1(attn(x))
+            assert torch.equal(view.module(x), expected)
     assert ablation_state(model) == {} and "forward" not in view.module.__dict__
 
 

@@ -25,7 +25,9 @@ from vitlab.models.testing import TINY_IMAGE_SIZE, TINY_MODELS, randomize_parame
 
 FAMILIES = sorted(TINY_MODELS)
 HEAD_PREFIX = {"timm-vit": "head.", "timm-swin": "head.", "timm-mixer": "head.",
-               "torchvision-vit": "heads.", "torchvision-swin": "head."}
+               "torchvision-vit": "heads.", "torchvision-swin": "head.", "timm-swinv2": "head.",
+               "timm-swinv2-cr": "head.", "torchvision-swinv2": "head.", "timm-eva": "head.", "timm-beit": "head.",
+               "timm-vit-relpos": "head."}
 
 
 @pytest.fixture(autouse=True)
@@ -172,11 +174,13 @@ def test_parameter_groups_cover_each_parameter_once(family, layer_decay):
     trainable = [id(param) for param in model.parameters() if param.requires_grad]
     assert sorted(grouped) == sorted(trainable) and len(grouped) == len(set(grouped))
     names = {id(param): name for name, param in model.named_parameters()}
+    library_no_decay = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
     for group in groups:
         for param in group["params"]:
             leaf = names[id(param)].rsplit(".", 1)[-1]
             expect_no_decay = param.ndim <= 1 or leaf in {"pos_embed", "pos_embedding", "cls_token", "class_token",
-                                                            "relative_position_bias_table"}
+                                                            "relative_position_bias_table", "logit_scale"} \
+                or names[id(param)] in library_no_decay  # timm's own list (Swin V2: the CPB MLP)
             assert (group["weight_decay"] == 0.0) == expect_no_decay, names[id(param)]
     torch.optim.AdamW(groups, lr=1e-3)  # accepted as is
     if layer_decay is not None:

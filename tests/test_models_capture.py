@@ -6,15 +6,30 @@ import torch
 from vitlab.models import CAPTURE_SITES, blocks, capture, forward_until
 from vitlab.models.testing import TINY_IMAGE_SIZE, TINY_MODELS, tiny_model
 
+
+def _gamma(gamma):
+    """timm Eva / Beit LayerScale: ``gamma`` or 1 when the model has none."""
+    return 1.0 if gamma is None else gamma
+
+
 FAMILIES = sorted(TINY_MODELS)
 # the library's own attention / token-mixing branch on the normed input (independent of vitlab adapters)
+# (kw: the keyword arguments the model passed to the block, e.g. Eva's rotary embedding ``rope``)
 LIBRARY_MIXER = {
-    "timm-vit": lambda b, x: b.ls1(b.attn(b.norm1(x))),
-    "timm-swin": lambda b, x: b._attn(b.norm1(x)),
-    "timm-mixer": lambda b, x: b.mlp_tokens(b.norm1(x).transpose(1, 2)).transpose(1, 2),
-    "torchvision-vit": lambda b, x: b.self_attention(*(b.ln_1(x),) * 3, need_weights=False)[0],
-    "torchvision-swin": lambda b, x: b.attn(b.norm1(x)),
+    "timm-vit": lambda b, x, **kw: b.ls1(b.attn(b.norm1(x))),
+    "timm-swin": lambda b, x, **kw: b._attn(b.norm1(x)),
+    "timm-mixer": lambda b, x, **kw: b.mlp_tokens(b.norm1(x).transpose(1, 2)).transpose(1, 2),
+    "torchvision-vit": lambda b, x, **kw: b.self_attention(*(b.ln_1(x),) * 3, need_weights=False)[0],
+    "torchvision-swin": lambda b, x, **kw: b.attn(b.norm1(x)),
+    "timm-swinv2": lambda b, x, **kw: b.norm1(b._attn(x)),  # res-post-norm
+    "timm-swinv2-cr": lambda b, x, **kw: b.norm1(b._shifted_window_attn(x)),
+    "torchvision-swinv2": lambda b, x, **kw: b.norm1(b.attn(x)),
+    "timm-eva": lambda b, x, **kw: _gamma(b.gamma_1) * b.attn(b.norm1(x), **kw),
+    "timm-beit": lambda b, x, **kw: _gamma(b.gamma_1) * b.attn(b.norm1(x), **kw),
+    "timm-vit-relpos": lambda b, x, **kw: b.ls1(b.attn(b.norm1(x), **kw)),
 }
+# a norm on the stream after both residual adds (Swin V2-Cr: the last block's norm3)
+MAIN_NORM = {"timm-swinv2-cr": lambda b, x: b.norm3(x)}
 
 
 def _images(batch=2, seed=1):
@@ -22,23 +37,23 @@ def _images(batch=2, seed=1):
 
 
 def _library_block_io(model, x):
-    """Inputs and outputs of every block from plain forward hooks (the library forward)."""
-    inputs, outputs, handles = {}, {}, []
+    """Inputs, outputs and keyword arguments of every block from plain forward hooks (the library forward)."""
+    inputs, outputs, kwargs, handles = {}, {}, {}, []
 
     def keep(name):
-        def hook(module, args, out):
-            inputs[name], outputs[name] = args[0], out
+        def hook(module, args, block_kwargs, out):
+            inputs[name], outputs[name], kwargs[name] = args[0], out, block_kwargs
         return hook
 
     for view in blocks(model):
-        handles.append(view.module.register_forward_hook(keep(view.name)))
+        handles.append(view.module.register_forward_hook(keep(view.name), with_kwargs=True))
     try:
         with torch.no_grad():
             model(x)
     finally:
         for handle in handles:
             handle.remove()
-    return inputs, outputs
+    return inputs, outputs, kwargs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,7 +66,7 @@ def test_capture_shapes_prefix_and_unchanged_outputs(family):
         with capture(model, sites) as record:
             captured = model(x)
     assert torch.equal(captured, plain)  # bit-identical while capturing
-    library_inputs, library_outputs = _library_block_io(model, x)
+    library_inputs, library_outputs, library_kwargs = _library_block_io(model, x)
     for view in blocks(model):
         tokens = view.grid[0] * view.grid[1]
         assert record.grids[view.name] == view.grid
@@ -71,13 +86,15 @@ def test_capture_shapes_prefix_and_unchanged_outputs(family):
             assert view.name not in record.prefix
         # attention / token-mixing branch (Swin: un-windowed, rolled back) equals the library's computation
         with torch.no_grad():
-            branch = LIBRARY_MIXER[family](view.module, library_inputs[view.name])
+            branch = LIBRARY_MIXER[family](view.module, library_inputs[view.name],
+                                           **library_kwargs[view.name])
         branch = branch.flatten(1, 2) if branch.ndim == 4 else branch
         assert torch.allclose(record[view.name, "attn"], branch[:, prefix:], atol=1e-6)
         # the block output is the input plus both branches
         library_in = library_inputs[view.name]
         library_in = library_in.flatten(1, 2) if library_in.ndim == 4 else library_in
         rebuilt = library_in[:, prefix:] + record[view.name, "attn"] + record[view.name, "mlp"]
+        rebuilt = MAIN_NORM[family](view.module, rebuilt) if family in MAIN_NORM else rebuilt
         assert torch.allclose(rebuilt, record[view.name, "resid"], atol=1e-5)
 
 
@@ -107,7 +124,7 @@ def test_capture_accumulates_selects_and_casts(family):
 def test_forward_until_matches_intermediates_and_stops(family):
     model = tiny_model(family)
     x = _images()
-    library_inputs, library_outputs = _library_block_io(model, x)
+    library_inputs, library_outputs, _ = _library_block_io(model, x)
     views = blocks(model)
     target = views[len(views) // 2 - 1]
     later_calls = []

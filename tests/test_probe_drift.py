@@ -49,7 +49,7 @@ def test_drift_between_snapshots_finds_a_planted_change(tmp_path, capsys):
     assert f"drift/rel_frobenius/{target}.k" in acc.Tags()["scalars"]
     assert acc.Scalars(f"drift/rel_frobenius/{blocks[0]}.q")[0].value == 0.0
     assert acc.Scalars(f"drift/rel_frobenius/{target}.k")[0].value > 0.0
-    for tag in ("drift_map/cosine_distance", f"drift_local/{target} ", "spectra_figure/stage0"):
+    for tag in ("drift_map/cosine_distance", f"drift_local/{target}", "spectra_figure/stage0"):
         assert any(t.startswith(tag) for t in acc.Tags()["images"]), tag
 
 

@@ -39,7 +39,7 @@ def test_deterministic_by_seed(tmp_path):
 def test_files_are_ct_dicom_with_patient_ids_and_tags(tmp_path):
     manifest = generate(tmp_path / "d", seed=0, **SMALL)
     table = rows(manifest)
-    assert list(table[0]) == ["path", "label", "patient_id"]
+    assert list(table[0]) == ["path", "label", "patient_id", "mask"]
     slices_per_patient = Counter(r["patient_id"] for r in table)
     assert len(slices_per_patient) == 4 and set(slices_per_patient.values()) == {4}
     for row in table:
@@ -168,3 +168,20 @@ def _final_folder(tmp_out) -> Path:
     """``<root>/.embedded-<hash>-XXXX`` (the temp folder) -> ``<root>/embedded-<hash>``."""
     tmp_out = Path(tmp_out)
     return tmp_out.parent / tmp_out.name[1:].rsplit("-", 1)[0]
+
+
+def test_masks_outline_the_lesions_of_lesion_slices_only(tmp_path):
+    from PIL import Image
+    from scipy import ndimage
+
+    manifest = generate(tmp_path / "m", seed=2, patients=3, slices=4, size=64, difficulty=0.0)
+    again = generate(tmp_path / "n", seed=2, patients=3, slices=4, size=64, difficulty=0.0)
+    for row in rows(manifest):
+        mask = np.asarray(Image.open(manifest.parent / row["mask"]))
+        assert mask.dtype == np.uint8 and mask.shape == (64, 64) and set(np.unique(mask)) <= {0, 1}
+        assert np.array_equal(mask, np.asarray(Image.open(again.parent / row["mask"])))  # deterministic
+        assert mask.any() == (row["label"] == "lesion")
+        if mask.any():  # at difficulty 0 lesions differ from the tissue around them by >= 150 HU
+            hu = modality_values(manifest.parent / row["path"])
+            ring = ndimage.binary_dilation(mask, iterations=4) & ~ndimage.binary_dilation(mask, iterations=2)
+            assert np.abs(hu[mask.astype(bool)] - np.median(hu[ring])).mean() > 50

@@ -11,10 +11,19 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities.model_helpers import is_overridden
 
-from vitlab.data import MedicalDataModule
-from vitlab.training import ClassificationModule
+from vitlab import cli_support
+from vitlab.data import DenseDataModule, MedicalDataModule
+from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: F401 - Lightning-free, shared with probe.py
+from vitlab.training import ClassificationModule, DetectionModule, DINOModule, SegmentationModule
 
 TENSORBOARD_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
+# task -> (LightningModule, DataModule, checkpoint monitor); chosen by the config's top-level ``task:`` key
+TASKS = {
+    "classification": (ClassificationModule, MedicalDataModule, "val/balanced_acc"),
+    "detection": (DetectionModule, DenseDataModule, "val/map_50"),
+    "segmentation": (SegmentationModule, DenseDataModule, "val/dice"),
+    "dino": (DINOModule, MedicalDataModule, "val/knn_acc"),  # self-supervised: labels only score k-NN
+}
 
 
 class VitlabCLI(LightningCLI):
@@ -27,7 +36,32 @@ class VitlabCLI(LightningCLI):
       run folder.
     """
 
+    def __init__(self, *args: Any, task: str = "classification", **kwargs: Any) -> None:
+        self.task = task
+        super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        self.parser_class = cli_support.parser_class()  # unknown keys: one line each, closest valid key
+        return super().init_parser(**kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if args is None:  # --config quickstart -> configs/quickstart.yaml
+            sys.argv[1:] = cli_support.resolve_config_args(sys.argv[1:])
+        elif isinstance(args, list):
+            args = cli_support.resolve_config_args(args)
+        super().parse_arguments(parser, args)
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        cli_support.save_recipe(self.trainer, self._recipe)  # config.yaml repeats the run, never re-resumes
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--task",
+            type=str,
+            default="classification",
+            help=f"What to train: {', '.join(TASKS)} (read before parsing; picks the model and data classes)",
+        )
         parser.add_argument(
             "--ckpt_path",
             type=Optional[str],
@@ -40,7 +74,7 @@ class VitlabCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "last_checkpoint")
         parser.set_defaults(
             {
-                "checkpoint.monitor": "val/balanced_acc",
+                "checkpoint.monitor": TASKS[self.task][2],
                 "checkpoint.mode": "max",
                 "checkpoint.save_top_k": 1,
                 "checkpoint.filename": "best-epoch{epoch:03d}",
@@ -54,12 +88,17 @@ class VitlabCLI(LightningCLI):
                 "last_checkpoint.save_on_train_epoch_end": True,
             }
         )
-        model = "model.init_args" if self.subclass_mode_model else "model"  # a task given as model.class_path
-        parser.link_arguments("data.num_classes", f"{model}.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.in_chans", f"{model}.in_chans", apply_on="instantiate")
-        parser.link_arguments("data.class_names", f"{model}.class_names", apply_on="instantiate")
+        if TASKS[self.task][1] is MedicalDataModule:  # classification, DINO: image labels
+            parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+            parser.link_arguments("data.class_names", "model.class_names", apply_on="instantiate")
+        else:  # dense tasks: the mask classes, and the input size for the detector's transform
+            parser.link_arguments("data.num_mask_classes", "model.num_classes", apply_on="instantiate")
+            parser.link_arguments("data.mask_classes", "model.class_names", apply_on="instantiate")
+            parser.link_arguments("data.image_size", "model.image_size", apply_on="instantiate")
+        parser.link_arguments("data.in_chans", "model.in_chans", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
+        self._recipe = cli_support.clean_recipe(self.config)
         ckpt_path = self.config.get("ckpt_path")
         if not ckpt_path:
             return
@@ -71,7 +110,7 @@ class VitlabCLI(LightningCLI):
             # runs/<name>/<version>/checkpoints/last.ckpt -> log into runs/<name>/<version> again
             version_dir = ckpt.resolve().parent.parent
             init = logger.init_args if hasattr(logger, "init_args") else logger
-            init.save_dir = str(version_dir.parent.parent)
+            init.save_dir = cli_support.resume_save_dir(ckpt, version_dir)
             init.name = version_dir.parent.name
             init.version = version_dir.name
 
@@ -86,31 +125,33 @@ def _trainer_defaults() -> dict[str, Any]:
     }
 
 
-def _report(trainer) -> None:
+def _report(trainer, checkpoints: list[tuple[Any, str, Any]]) -> None:
+    """The closing lines; ``checkpoints`` = (monitor, path, score) per checkpointer, taken before testing
+    (testing the best checkpoint restores the checkpointers' state as it was when that file was written)."""
     log_dir = Path(trainer.log_dir or ".")
     root = log_dir.parent.parent if log_dir.parent.parent != Path("") else log_dir
     print("\nvitlab: run finished.")
     print(f"  run folder   : {log_dir}")
-    for ckpt_cb in trainer.checkpoint_callbacks:
-        path = ckpt_cb.best_model_path
+    for monitor, path, score in checkpoints:
         if not path:
             continue
-        if ckpt_cb.monitor is None:
+        if monitor is None:
             print(f"  last weights : {path}  (resume: --ckpt_path {path})")
         else:
-            score = ckpt_cb.best_model_score
-            note = f"  ({ckpt_cb.monitor} = {float(score):.4f})" if score is not None else ""
+            note = f"  ({monitor} = {float(score):.4f})" if score is not None else ""
             print(f"  best weights : {path}{note}")
     print(f"  view it with : tensorboard --logdir {root} --host 127.0.0.1")
 
 
 def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data)."""
-    task = _task_in_config(args)  # a config with model.class_path picks the task's LightningModule (e.g. DINO)
+    cli_support.quiet_output()
+    task = _task_of(args)
+    model_class, data_class, _ = TASKS[task]
     cli = VitlabCLI(
-        None if task else ClassificationModule,
-        MedicalDataModule,
-        subclass_mode_model=task,
+        model_class,
+        data_class,
+        task=task,
         run=False,
         trainer_defaults=_trainer_defaults(),
         seed_everything_default=0,
@@ -118,57 +159,57 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
         parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
         args=args,
     )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-    has_test_step = is_overridden("test_step", cli.model)
+    from vitlab.threads import configure_threads
+
+    configure_threads(getattr(cli.datamodule, "num_workers", 0))  # threads + workers within the cores
+    if cli.config.get("ckpt_path"):
+        from vitlab.tblog import purge_after_checkpoint
+
+        purge_after_checkpoint(cli.trainer, cli.config.get("ckpt_path"))  # no duplicate points after a kill
+    log_dir = Path(cli.trainer.log_dir) if cli.trainer.log_dir else None
+    existed = log_dir is not None and log_dir.exists()
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except BaseException:
+        if cli.trainer.is_global_zero:  # leave no stub version_N folder for TensorBoard to list
+            cli_support.remove_stub_run(log_dir, existed, cli.trainer.global_step)
+        raise
+    checkpoints = [(cb.monitor, cb.best_model_path, cb.best_model_score) for cb in cli.trainer.checkpoint_callbacks]
+    has_test_step = is_overridden("test_step", cli.model)  # DINO has no test step
     if getattr(cli.datamodule, "has_test", False) and has_test_step and not cli.trainer.interrupted:
         best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path
         cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best" if best else None)
     if cli.trainer.is_global_zero:
-        _report(cli.trainer)
+        _report(cli.trainer, checkpoints)
     return cli
 
 
-def _task_in_config(args: list[str] | dict[str, Any] | None) -> bool:
-    """True when a ``--config`` file (or a dict config) gives ``model`` as ``class_path`` + ``init_args``."""
+def _task_of(args: list[str] | dict[str, Any] | None) -> str:
+    """The ``task`` a command line / config dict / config file asks for (classification by default)."""
     import yaml
 
+    task = None
     if isinstance(args, dict):
-        return isinstance(args.get("model"), dict) and "class_path" in args["model"]
-    argv = list(sys.argv[1:] if args is None else args)
-    for flag, value in zip(argv, argv[1:]):
-        if flag in ("--config", "-c") and Path(value).is_file():
-            model = (yaml.safe_load(Path(value).read_text()) or {}).get("model")
-            if isinstance(model, dict) and "class_path" in model:
-                return True
-    return False
+        task = args.get("task")
+    else:
+        argv = list(sys.argv[1:] if args is None else args)
+        for i, arg in enumerate(argv):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            if arg.split("=", 1)[0] in ("--config", "-c") and value and Path(value).is_file():
+                content = yaml.safe_load(Path(value).read_text()) or {}
+                task = content.get("task", task) if isinstance(content, dict) else task
+            elif arg.split("=", 1)[0] == "--task":
+                task = value
+    task = task or "classification"
+    if task not in TASKS:
+        raise ValueError(f"task {task!r} is not one of {list(TASKS)}")
+    return task
 
 
 def train_main(args: list[str] | None = None) -> None:
     """Entry point of ``train.py``: :func:`fit` with one-line errors for bad input."""
+    cli_support.quiet_output(one_line_warnings=True)
     try:
         fit(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        _exit_with_message(err)
-
-
-def _exit_with_message(err: BaseException) -> None:
-    """User errors end in one line (``VITLAB_DEBUG=1`` shows the traceback)."""
-    if os.environ.get("VITLAB_DEBUG") or not _is_user_error(err):
-        raise err
-    print(f"vitlab: error: {err}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _is_user_error(err: BaseException) -> bool:
-    module = type(err).__module__ or ""
-    return module.startswith("vitlab") or type(err) in (ValueError, FileNotFoundError, FileExistsError)
-
-
-def probe_main(args: list[str] | None = None) -> None:
-    """Entry point of ``probe.py``."""
-    from vitlab.probes import main
-
-    try:
-        main(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as err:
         _exit_with_message(err)

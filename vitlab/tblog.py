@@ -10,6 +10,7 @@ import contextlib
 import csv
 import io
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,6 +45,68 @@ def require_tensorboard(trainer: Any, owner: str) -> None:
             "pytorch_lightning.loggers.TensorBoardLogger (the vitlab default) instead of "
             f"{[type(lg).__name__ for lg in trainer.loggers] or 'no logger'}"
         )
+
+
+def logging_step(trainer: Any) -> int:
+    """The step Lightning's own ``self.log`` writes at now (batches that stepped; as LearningRateMonitor uses)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step if step is not None else getattr(trainer, "global_step", 0))
+
+
+def epoch_end_step(trainer: Any) -> int:
+    """The step of an epoch's outputs written in ``on_train_epoch_end``: the step Lightning gives the epoch's
+    ``val/*`` and ``train/*`` epoch metrics (its last batch), so drift, spectra and accuracy of one epoch
+    share one x value, and every output of an epoch lies below the step its checkpoint resumes at."""
+    return max(logging_step(trainer) - 1, 0)
+
+
+def checkpoint_logging_step(ckpt_path: str | os.PathLike) -> int:
+    """The logging step a run resumed from ``ckpt_path`` continues at (read without loading the tensors)."""
+    ckpt = torch.load(str(ckpt_path), map_location="cpu", weights_only=True, mmap=True)
+    loop_state = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    return int(loop_state.get("_batches_that_stepped", ckpt.get("global_step", 0)))
+
+
+def purge_after_checkpoint(trainer: Any, ckpt_path: str | os.PathLike) -> int | None:
+    """Make a resumed run's TensorBoard writers discard what a killed run wrote after its last checkpoint.
+
+    The writer opens with ``purge_step`` = the checkpoint's logging step: TensorBoard drops every event at
+    that step or later written before the restart (everything the resumed run logs again), so each tag keeps
+    one point per step. Call before the writer is first used (before ``trainer.fit``). Returns the step.
+    """
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    loggers = [lg for lg in getattr(trainer, "loggers", []) or [] if isinstance(lg, TensorBoardLogger)]
+    if not loggers:
+        return None
+    step = checkpoint_logging_step(ckpt_path)
+    for logger in loggers:
+        if logger._experiment is not None:  # opened early: reopen it with the purge step
+            logger._experiment.close()
+            logger._experiment = None
+        logger._kwargs["purge_step"] = step
+    return step
+
+
+def resume_step(trainer: Any) -> int:
+    """The step a resumed run continues from (its TensorBoard purge step), or 0 for a fresh run."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    steps = [lg._kwargs.get("purge_step") for lg in getattr(trainer, "loggers", []) or [] if isinstance(lg, TensorBoardLogger)]
+    return int(next((s for s in steps if s is not None), 0))
+
+
+def figures_due(trainer: Any, completed_epochs: int, every_n_epochs: int | None = None) -> bool:
+    """Whether an epoch's figures are drawn: every N-th completed epoch, the first and the last.
+
+    ``None`` picks N so a run draws about 6 sets (TensorBoard keeps up to 10 images per tag): a
+    matplotlib figure costs about as much as several training steps of a small model.
+    """
+    max_epochs = getattr(trainer, "max_epochs", None) or 0
+    if every_n_epochs is None:
+        every_n_epochs = max(1, math.ceil(max_epochs / 6))
+    return completed_epochs <= 1 or completed_epochs % every_n_epochs == 0 or (max_epochs > 0 and completed_epochs >= max_epochs)
 
 
 @contextlib.contextmanager
@@ -122,14 +185,18 @@ def heatmap_figure(
     annotate: bool = False,
     colorbar_label: str = "",
     figsize: tuple[float, float] | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    nan_color: str = "0.75",
 ):
-    """A matplotlib heatmap of a 2-D array (rows top to bottom), ready for ``SummaryWriter.add_figure``."""
+    """A matplotlib heatmap of a 2-D array (rows top to bottom; NaN cells in ``nan_color``), for ``add_figure``."""
     data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
     rows, cols = data.shape
     if figsize is None:
         figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
     fig, ax = plt.subplots(figsize=figsize, dpi=90)
-    im = ax.imshow(data, aspect="auto", cmap=cmap, interpolation="nearest")
+    colormap = plt.get_cmap(cmap).with_extremes(bad=nan_color)
+    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
     cbar = fig.colorbar(im, ax=ax)
     if colorbar_label:
         cbar.set_label(colorbar_label)
@@ -197,6 +264,8 @@ def write_layout_once(trainer: Any) -> None:
         make = getattr(callback, "tensorboard_layout", None)
         if callable(make):
             layout.update(make())
-    if layout:
-        writer.add_custom_scalars(layout)
+    if layout:  # at the current step, so a resumed run's copy is not a second point at step 0
+        from torch.utils.tensorboard.summary import custom_scalars
+
+        writer._get_file_writer().add_summary(custom_scalars(layout), logging_step(trainer))
     writer._vitlab_layout_written = True

@@ -9,6 +9,12 @@ Everything is computed exactly through the low-rank form: with U = [Wq_h^T, Wk_h
 M_h = Q P Q^T with P = R_q R_k^T (2hd x 2hd), R_q, R_k the first / last hd columns of R. Since Q has
 orthonormal columns, S, A and M share their nonzero spectra with (P + P^T)/2, (P - P^T)/2 and P, which are
 small. No C x C eigendecomposition is ever done per head.
+
+Cosine attention (Swin V2: logit_ij = exp(min(s_h, log 100)) q_i.k_j / (|q_i| |k_j|) + bias) has no fixed
+matrix for its logits; the same M_h is then the bilinear form of the un-normalised numerator q_i.k_j (biases
+aside). Its positive mass, symmetry score and effective rank describe the sign and direction structure that
+the cosine keeps (a positive per-pair factor does not change signs); its singular values are not logit
+magnitudes. vitlab reports these spectra for cosine models, flagged by ``BlockView.attention_form``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,20 @@
-"""Lightning callbacks that look inside the model while it trains (declare them under trainer.callbacks)."""
+"""Lightning callbacks that look inside the model while it trains (declare them under trainer.callbacks).
 
-from vitlab.callbacks.drift import QKVDrift
-from vitlab.callbacks.snapshot import QKVSnapshot
-from vitlab.callbacks.spectra import QKSpectra
+The classes are imported on first use, so the probes can use the callbacks' Lightning-free helpers
+(``vitlab.callbacks._state``, ``vitlab.callbacks.spectra``) without importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_CLASSES = {"QKVDrift": "vitlab.callbacks.drift", "QKVSnapshot": "vitlab.callbacks.snapshot", "QKSpectra": "vitlab.callbacks.spectra_callback"}
 
 __all__ = ["QKVDrift", "QKVSnapshot", "QKSpectra"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLASSES:
+        return getattr(importlib.import_module(_CLASSES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,8 +20,8 @@ from vitlab.callbacks._state import (
     snapshot_name,
     unwrap,
 )
-from vitlab.tblog import heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
-from vitlab.tbimage import colorize, hstack_panels, vstack_panels
+from vitlab.tblog import epoch_end_step, figures_due, heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
+import matplotlib.pyplot as plt
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
 MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
@@ -112,14 +112,37 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True)
     if not local_maps:
         return
     for block in blocks:
-        panel_rows = []
-        for name in LOCAL_METRICS:
-            vmax = max(float(rows_ref[(block, m)][name].max()) for m in MATRICES)
-            grids = [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES]  # (H, hd) each
-            cell = max(2, min(24, 160 // grids[0].shape[1]))
-            panels = [colorize(g, vmin=0.0, vmax=vmax, cell=cell) for g in grids]
-            panel_rows.append(hstack_panels(panels, gap=6))
-        writer.add_image(f"drift_local/{block} (columns Q | K | V; rows cosine distance, euclidean; each heads x rows-in-head)", vstack_panels(panel_rows, gap=6), step)
+        grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES] for name in LOCAL_METRICS}
+        writer.add_figure(f"drift_local/{block}", local_drift_figure(block, grids, step), step)
+
+
+def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: int):
+    """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
+    Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
+    fig, axes = plt.subplots(len(grids), len(MATRICES), figsize=(7.2, 1.2 + 1.7 * len(grids)), dpi=90, squeeze=False, sharex=True, sharey=True)
+    fig.subplots_adjust(left=0.12, right=0.86, bottom=0.13, top=0.85, wspace=0.08, hspace=0.3)
+    heads, head_dim = next(iter(grids.values()))[0].shape
+    axes[0, 0].set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
+    axes[0, 0].set_xticks(sorted({0, head_dim // 2, head_dim - 1}))  # explicit ticks: the locators cost ~0.1 s
+    for r, (name, per_matrix) in enumerate(grids.items()):  # per_matrix: [(H, hd)] for Q, K, V
+        vmax = max(float(g.max()) for g in per_matrix) or 1.0
+        for c, (m, grid) in enumerate(zip(MATRICES, per_matrix)):
+            ax = axes[r, c]
+            im = ax.imshow(grid.double().numpy(), aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=vmax)
+            ax.tick_params(labelsize=7, labelleft=c == 0, labelbottom=r == len(grids) - 1)
+            if r == 0:
+                ax.set_title(m.upper(), fontsize=10)
+            if r == len(grids) - 1:
+                ax.set_xlabel(f"row in head (0..{head_dim - 1})", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"{name.replace('_', ' ')}\nhead", fontsize=8)
+        box = axes[r, -1].get_position()
+        cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.015, box.height), label="<colorbar>")
+        cbar = fig.colorbar(im, cax=cax, ticks=[0.0, vmax / 2, vmax])
+        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
+        cbar.ax.tick_params(labelsize=7)
+    fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
+    return fig
 
 
 def drift_layout() -> dict[str, Any]:
@@ -154,6 +177,7 @@ def report_drift(
     table_path: Path | None = None,
     epoch: int = 0,
     local_maps: bool = True,
+    figures: bool = True,
 ) -> dict[tuple[str, str], dict[str, float]]:
     """Compute and write one drift report (TensorBoard scalars, histograms, images; optional CSV).
 
@@ -166,14 +190,15 @@ def report_drift(
     _log_scalars(writer, sum_ref, sum_prev, step)
     _log_extras(writer, extra_drift(ref, cur), step)
     _log_histograms(writer, rows_ref, step)
-    _log_images(writer, rows_ref, sum_ref, heads, step, local_maps)
+    if figures:
+        _log_images(writer, rows_ref, sum_ref, heads, step, local_maps)
     if table_path is not None:
         write_drift_table(table_path, epoch, rows_ref, heads)
     return sum_ref
 
 
 class QKVDrift(EpochCallback, pl.Callback):
-    """Logs seed 000's Q/K/V drift every epoch: against the reference (fit start) and the previous epoch.
+    """Logs the Drotos poster's Q/K/V drift every epoch: against the reference (fit start) and the previous epoch.
 
     TensorBoard (no tag explosion): scalars ``drift/<metric>/<block>.<q|k|v>`` (mean over rows, vs the
     reference), ``drift_stage/...`` and ``drift_global/...`` aggregates, ``drift_step/...`` (vs the previous
@@ -185,11 +210,18 @@ class QKVDrift(EpochCallback, pl.Callback):
     Args:
         every_n_epochs: Compute after every N-th completed epoch.
         local_maps: Log the per-block heads x rows heatmaps.
+        figures_every_n_epochs: Draw the images every N-th epoch (and the first and last); ``None``: about
+            6 per run. Scalars, histograms and tables are written every ``every_n_epochs``.
         write_csv: Write the per-row CSV table.
     """
 
-    def __init__(self, every_n_epochs: int = 1, local_maps: bool = True, write_csv: bool = True) -> None:
+    def __init__(
+        self, every_n_epochs: int = 1, local_maps: bool = True, write_csv: bool = True, figures_every_n_epochs: int | None = None
+    ) -> None:
         super().__init__(every_n_epochs)
+        if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
+            raise ValueError(f"QKVDrift.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        self.figures_every_n_epochs = figures_every_n_epochs
         self.local_maps = local_maps
         self.write_csv = write_csv
         self.reference_file: str | None = None
@@ -228,7 +260,8 @@ class QKVDrift(EpochCallback, pl.Callback):
         current = qkv_state(model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
-        report_drift(writer, self._ref, current, self._prev, head_counts(model), int(trainer.global_step), table, completed, self.local_maps)
+        figures = figures_due(trainer, completed, self.figures_every_n_epochs)
+        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures)
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

@@ -19,7 +19,8 @@ class QKVSnapshot(EpochCallback, pl.Callback):
 
     ``k`` counts completed training epochs: ``epoch_000`` is the reference (the weights training
     starts from, before any step), written at fit start. A resumed run continues the sequence: files
-    that exist are never rewritten. Rank 0 writes, atomically (temp file + rename).
+    written before its checkpoint are never rewritten; one written after it (by a run killed before its next
+    checkpoint) belongs to an epoch that is re-run and is replaced. Rank 0 writes, atomically (temp file + rename).
 
     Args:
         every_n_epochs: Write a snapshot after every N-th completed epoch (the last epoch is always written).
@@ -52,10 +53,10 @@ class QKVSnapshot(EpochCallback, pl.Callback):
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
         assert self._dir is not None, "QKVSnapshot.setup was not called"
         path = self._dir / snapshot_name(epoch)
-        if epoch in self.written or path.exists():
-            if epoch not in self.written:
-                self.written.append(epoch)
+        if epoch in self.written:
             return
+        # a file not in ``written`` was left by a run killed before its next checkpoint: the epoch is being
+        # re-run, so its snapshot is rewritten with the weights of the run that continues
         self.written.append(epoch)
         if not trainer.is_global_zero:
             return
@@ -79,7 +80,8 @@ class QKVSnapshot(EpochCallback, pl.Callback):
                 writer.add_text("qkv/snapshot", f"{len(tensors)} tensors, {size_mb:.2f} MiB per snapshot ({self.dtype}) in `{self._dir}`", 0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"written": list(self.written), "every_n_epochs": self.every_n_epochs, "dtype": self.dtype}
+        return {"written": list(self.written), "every_n_epochs": self.every_n_epochs, "dtype": self.dtype, "size_logged": self._size_logged}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.written = [int(e) for e in state_dict.get("written", [])]
+        self._size_logged = bool(state_dict.get("size_logged", self.written != []))  # one note per run

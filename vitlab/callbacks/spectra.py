@@ -1,4 +1,7 @@
-"""QKSpectra: the spectrum of every block's QK bilinear form W_Q W_K^T, each epoch (seed 002, Fig. 5)."""
+"""The spectrum of every block's QK bilinear form W_Q W_K^T (seed 002, Fig. 5): computed and reported.
+
+Shared by the QKSpectra callback (:mod:`vitlab.callbacks.spectra_callback`) and ``probe.py spectra``; no Lightning here.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +11,11 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
-import pytorch_lightning as pl
 import torch
 
 from vitlab.analysis import qk_spectra
-from vitlab.callbacks._state import EpochCallback, block_stage, head_counts, qkv_state, unwrap
-from vitlab.tblog import tensorboard_writer, write_csv, write_layout_once
-from vitlab.tbimage import colorize
+from vitlab.callbacks._state import block_stage
+from vitlab.tblog import heatmap_figure, write_csv
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -59,23 +60,38 @@ def stage_figure(stage: str, spectra: dict[str, Any]):
     return fig
 
 
-def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None) -> None:
+def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True) -> None:
     """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV)."""
     for block, s in spectra.items():
         for name in SCALARS:
             writer.add_scalar(f"spectra/{name}/{block}", float(getattr(s, name).float().mean()), step)
             writer.add_scalar(f"spectra_summed/{name}/{block}", float(getattr(s.summed, name)[0]), step)
-    by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
-    for block, s in spectra.items():
-        by_stage[block_stage(block)][block] = s
-    for stage, group in by_stage.items():
-        writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
-    max_heads = max(len(s.positive_mass) for s in spectra.values())
-    grid = torch.full((len(spectra), max_heads), float("nan"))
-    for i, s in enumerate(spectra.values()):
-        grid[i, : len(s.positive_mass)] = s.positive_mass.float()
-    cell = max(12, 320 // max(grid.shape))
-    writer.add_image("spectra_heads/positive_mass (rows blocks, columns heads; blue 0 - red 1)", colorize(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, cell=cell), step)
+    if figures:
+        by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
+        for block, s in spectra.items():
+            by_stage[block_stage(block)][block] = s
+        for stage, group in by_stage.items():
+            writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
+        max_heads = max(len(s.positive_mass) for s in spectra.values())
+        grid = torch.full((len(spectra), max_heads), float("nan"))
+        for i, s in enumerate(spectra.values()):
+            grid[i, : len(s.positive_mass)] = s.positive_mass.float()
+        blocks = list(spectra)
+        fig = heatmap_figure(
+            grid,
+            title=f"positive mass of sym(W_Q W_K^T), step {step}",
+            xlabel="head (white: the block has fewer heads)",
+            ylabel="block",
+            xticklabels=[str(h) for h in range(max_heads)],
+            yticklabels=blocks,
+            cmap="coolwarm",
+            vmin=0.0,
+            vmax=1.0,
+            colorbar_label="positive mass [0, 1]",
+            nan_color="white",
+            figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
+        )
+        writer.add_figure("spectra_heads/positive_mass", fig, step)
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 
@@ -83,50 +99,3 @@ def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path 
 def spectra_layout() -> dict[str, Any]:
     """Custom-scalars layout: one chart per spectral statistic, per head mean and head-summed."""
     return {"spectra": {name: ["Multiline", [rf"spectra/{name}/.*", rf"spectra_summed/{name}/.*"]] for name in SCALARS}}
-
-
-class QKSpectra(EpochCallback, pl.Callback):
-    """Logs the QK bilinear form's spectra of every attention block at fit start and every N epochs.
-
-    Per block: positive mass of the symmetric part's spectrum, symmetry score and effective rank (head
-    mean as ``spectra/...``, head-summed matrix as ``spectra_summed/...``); per stage a figure of the
-    eigenvalues of the symmetric and antisymmetric parts and the singular values; a blocks x heads
-    positive-mass heatmap; and ``<run>/qkv/spectra_epoch_{k:03d}.csv`` per block and head.
-
-    Args:
-        every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
-        write_csv: Write the per-head CSV table.
-    """
-
-    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True) -> None:
-        super().__init__(every_n_epochs)
-        self.write_csv = write_csv
-        self.logged_epochs: list[int] = []
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(trainer, pl_module, epoch=0)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        completed = trainer.current_epoch + 1
-        if completed % self.every_n_epochs == 0:
-            self._log(trainer, pl_module, epoch=completed)
-
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
-        if not trainer.is_global_zero or epoch in self.logged_epochs:
-            return
-        model = unwrap(pl_module)
-        spectra = block_spectra(qkv_state(model), head_counts(model))
-        writer = tensorboard_writer(trainer)
-        table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
-        report_spectra(writer, spectra, int(trainer.global_step), table, epoch)
-        write_layout_once(trainer)
-        self.logged_epochs.append(epoch)
-
-    def tensorboard_layout(self) -> dict[str, Any]:
-        return spectra_layout()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"logged_epochs": list(self.logged_epochs)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.logged_epochs = [int(e) for e in state_dict.get("logged_epochs", [])]

@@ -2,6 +2,7 @@
 
 from vitlab.data.cache import ArrayCache, cache_root
 from vitlab.data.datamodule import MedicalDataModule
+from vitlab.data.dense_datamodule import DenseDataModule
 from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.io import (
     WINDOW_PRESETS,
@@ -21,6 +22,7 @@ __all__ = [
     "ImageNotFoundError",
     "ImageReadError",
     "ImageReader",
+    "DenseDataModule",
     "MedicalDataModule",
     "MedicalImageDataset",
     "ReadOptions",

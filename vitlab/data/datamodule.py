@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from vitlab.data.cache import ArrayCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
+from vitlab.data.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.io import ImageReader, ReadOptions
 from vitlab.data.layouts import SPLITS, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
@@ -57,7 +58,8 @@ class MedicalDataModule(pl.LightningDataModule):
         std: Normalize std per channel; None -> ImageNet.
         cache: Keep decoded arrays on disk so epochs >= 2 skip decoding.
         cache_dir: Folder of that cache; None -> ``$VITLAB_CACHE/arrays`` or ``~/.cache/vitlab/arrays``.
-        embedded_kwargs: Arguments of ``vitlab.data.synthetic.generate`` when ``root`` is None.
+        embedded_kwargs: Options of the embedded dataset when ``root`` is None (:class:`EmbeddedOptions` or a
+            dict of its fields; typed, so ``--data.embedded_kwargs.patients 24`` reaches it as an int).
         classes: Fix the class names and their order; any other label is an error.
     """
 
@@ -83,10 +85,12 @@ class MedicalDataModule(pl.LightningDataModule):
         std: list[float] | None = None,
         cache: bool = False,
         cache_dir: str | None = None,
-        embedded_kwargs: dict | None = None,
+        embedded_kwargs: EmbeddedOptions | None = None,
         classes: list[str] | None = None,
     ) -> None:
         super().__init__()
+        embedded = embedded_options(embedded_kwargs)
+        embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
         self.save_hyperparameters(ignore=["train_transforms"])
         _check_positive(image_size=image_size, batch_size=batch_size)
         if num_workers < 0:
@@ -115,7 +119,7 @@ class MedicalDataModule(pl.LightningDataModule):
         if root is None:
             from vitlab.data.synthetic import embedded_dataset  # lazy: see vitlab.data.__getattr__
 
-            self.root = embedded_dataset(**(embedded_kwargs or {}))
+            self.root = embedded_dataset(**embedded_kwargs)
         else:
             self.root = Path(root).expanduser()
         layout = scan(self.root, classes=classes, on_bad_file=on_bad_file)
@@ -167,6 +171,8 @@ class MedicalDataModule(pl.LightningDataModule):
         missing = [c for c in self.class_names if not any(s.label == c and s.split == "train" for s in samples)]
         if missing:
             warnings.warn(f"{self.root}: class(es) {missing} have no training images", stacklevel=2)
+        if not self._layout.has_split_column and self.val_fraction > 0:
+            _check_validation(self.root, samples, self.val_fraction)
         self._samples = samples
         return samples
 
@@ -190,8 +196,11 @@ class MedicalDataModule(pl.LightningDataModule):
         self._prepare()
         trainer = self.trainer
         if trainer is not None and not self._skips_logged:
+            from vitlab.tblog import resume_step
+
+            step = resume_step(trainer)  # 0, or the step a resumed run continues from (no second point at 0)
             for logger in trainer.loggers:
-                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
+                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=step)
             self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders
@@ -204,12 +213,15 @@ class MedicalDataModule(pl.LightningDataModule):
         )  # fmt: skip
 
     def _loader(self, split: str, train: bool) -> DataLoader:
+        from vitlab.threads import loader_workers
+
+        workers = loader_workers(self.num_workers)  # no more workers than cores beside the training process
         return DataLoader(
             self.dataset(split, augmented=train),
             batch_size=self.batch_size,
             shuffle=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            num_workers=workers,
+            persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
             worker_init_fn=seed_worker,
             generator=torch.Generator().manual_seed(self.seed),
@@ -232,6 +244,24 @@ class MedicalDataModule(pl.LightningDataModule):
                 f"{self.root}: no test split; set test_fraction > 0 or add split=test rows to the manifest"
             )
         return self._loader("test", train=False)
+
+
+def _check_validation(root: Path, samples: list[Sample], val_fraction: float) -> None:
+    """An empty validation split stops the run (nothing to monitor); a class missing from it is warned about."""
+    patients: dict[str, set] = {}
+    for sample in samples:
+        patients.setdefault(sample.label, set()).add(sample.patient_id)
+    counts = ", ".join(f"{label}: {len(ids)}" for label, ids in sorted(patients.items()))
+    in_val = {s.label for s in samples if s.split == "val"}
+    if not in_val:
+        raise ValueError(
+            f"{root}: the patient-grouped split left validation empty (patients per class: {counts}; "
+            f"val_fraction {val_fraction}); add patients, give the manifest a 'split' column, or raise data.val_fraction")
+    absent = sorted(set(patients) - in_val)
+    if absent:
+        warnings.warn(
+            f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
+            "validation metrics ignore them", stacklevel=3)
 
 
 def _check_positive(**values: int) -> None:

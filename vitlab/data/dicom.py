@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pydicom
@@ -26,6 +26,8 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
 from pydicom.tag import Tag
 
+from vitlab.data import imagecodecs_plugin
+from vitlab.data.dicom_checks import check_values, has_image_elements, read_forced
 from vitlab.data.read_options import (
     ImageNotFoundError,
     ImageReadError,
@@ -36,23 +38,25 @@ from vitlab.data.read_options import (
     window_values,
 )
 
-# Packages (pip names) that add a decoder for a compressed transfer syntax, by UID.
-_JPEG_LS = "`pylibjpeg-libjpeg` or `pyjpegls` or `python-gdcm`"
-_JPEG_LOSSLESS = "`pylibjpeg-libjpeg` or `python-gdcm`"
-_JPEG_2000 = "`pylibjpeg-openjpeg` or `python-gdcm` (or Pillow built with OpenJPEG)"
+# Packages (pip names) that add a decoder for a compressed transfer syntax, by UID. vitlab installs
+# pylibjpeg-openjpeg, pyjpegls and imagecodecs (see the README's DICOM section), so
+# these show only when one was removed or has no wheel for the platform.
+_JPEG_LS = "`pyjpegls`"
+_JPEG_LOSSLESS = "`imagecodecs`"
+_JPEG_2000 = "`pylibjpeg pylibjpeg-openjpeg`"
 DECODER_PACKAGES: dict[str, str] = {
-    "1.2.840.10008.1.2.4.50": "`pillow` or `pylibjpeg-libjpeg` or `python-gdcm`",
-    "1.2.840.10008.1.2.4.51": _JPEG_LOSSLESS,
+    "1.2.840.10008.1.2.4.50": "`pillow`",
+    "1.2.840.10008.1.2.4.51": "`imagecodecs` (12-bit) or `pillow` (8-bit)",
     "1.2.840.10008.1.2.4.57": _JPEG_LOSSLESS,
     "1.2.840.10008.1.2.4.70": _JPEG_LOSSLESS,
     "1.2.840.10008.1.2.4.80": _JPEG_LS,
     "1.2.840.10008.1.2.4.81": _JPEG_LS,
     "1.2.840.10008.1.2.4.90": _JPEG_2000,
     "1.2.840.10008.1.2.4.91": _JPEG_2000,
-    "1.2.840.10008.1.2.4.201": "`pylibjpeg-openjpeg`",
-    "1.2.840.10008.1.2.4.202": "`pylibjpeg-openjpeg`",
-    "1.2.840.10008.1.2.4.203": "`pylibjpeg-openjpeg`",
-    "1.2.840.10008.1.2.5": "`pylibjpeg-rle` or `python-gdcm`",
+    "1.2.840.10008.1.2.4.201": "`pylibjpeg pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.4.202": "`pylibjpeg pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.4.203": "`pylibjpeg pylibjpeg-openjpeg`",
+    "1.2.840.10008.1.2.5": "`pylibjpeg-rle` (pydicom's own RLE decoder is built in)",
 }
 
 # The only elements decoding and display need (as tags: keyword lookups cost ~0.2 ms per file).
@@ -70,12 +74,15 @@ _DICOM_TAGS = [Tag(keyword) for keyword in (
 )]  # fmt: skip
 _NATIVE_LITTLE_ENDIAN = {"1.2.840.10008.1.2": False, "1.2.840.10008.1.2.1": True}  # UID -> explicit VR
 _PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
+_DEFLATED = "1.2.840.10008.1.2.1.99"  # pixel offsets in the file mean nothing: read whole
+_NOT_DICOM = "not a DICOM file (no 'DICM' preamble and file meta header)"
+imagecodecs_plugin.register()  # 12-bit JPEG Extended, JPEG Lossless (see vitlab.data.imagecodecs_plugin)
 
 
 def _dicom_error(path: str | os.PathLike, exc: Exception) -> ImageReadError:
     """One-line error for a file pydicom cannot parse."""
     if isinstance(exc, InvalidDicomError):
-        return ImageReadError(f"{path}: not a DICOM file (no 'DICM' preamble and file meta header)")
+        return ImageReadError(f"{path}: {_NOT_DICOM}")
     return ImageReadError(f"{path}: not a readable DICOM file ({one_line(exc)})")
 
 
@@ -91,6 +98,47 @@ def check_decodable(path: str | os.PathLike, ds: Dataset) -> None:
     if not decoder.is_available:
         packages = DECODER_PACKAGES.get(str(syntax), "a pydicom decoding plugin")
         raise ImageReadError(f"{path}: no decoder installed for {syntax.name!r}; pip install {packages}")
+
+
+def _read_without_preamble(path: str | os.PathLike, source: Any, *, stop_before_pixels: bool = False) -> Dataset:
+    """A file without 'DICM' preamble and file meta, read with ``force=True``, when it holds an image.
+
+    Raises:
+        ImageReadError: "not a DICOM file" when pydicom finds no image elements in it.
+    """
+    try:
+        ds = read_forced(source, stop_before_pixels=stop_before_pixels, specific_tags=_DICOM_TAGS)
+    except Exception:  # noqa: BLE001 - any failure here means the file is not DICOM
+        ds = None
+    if ds is None or "Rows" not in ds or "Columns" not in ds or not (stop_before_pixels or has_image_elements(ds)):
+        raise ImageReadError(f"{path}: {_NOT_DICOM}")
+    return ds
+
+
+# One plugin per syntax: GDCM's wheel (when installed) aborts the whole process with an uncaught C++
+# exception on some malformed J2K and JPEG streams, and pydicom's default tries every plugin in turn.
+_PLUGIN_BY_SYNTAX = {
+    "1.2.840.10008.1.2.4.50": "pillow",
+    "1.2.840.10008.1.2.4.57": imagecodecs_plugin.LABEL,
+    "1.2.840.10008.1.2.4.70": imagecodecs_plugin.LABEL,
+    "1.2.840.10008.1.2.4.80": "pyjpegls",
+    "1.2.840.10008.1.2.4.81": "pyjpegls",
+    **dict.fromkeys(("1.2.840.10008.1.2.4.90", "1.2.840.10008.1.2.4.91", "1.2.840.10008.1.2.4.201",
+                     "1.2.840.10008.1.2.4.202", "1.2.840.10008.1.2.4.203"), "pylibjpeg"),
+}  # fmt: skip
+
+
+def decoding_plugin(ds: Dataset) -> str:
+    """pydicom's ``decoding_plugin`` for this file ("" lets pydicom choose)."""
+    syntax = str(ds.file_meta.get("TransferSyntaxUID", ""))
+    if syntax == "1.2.840.10008.1.2.4.51":
+        label = imagecodecs_plugin.LABEL if int(ds.get("BitsStored") or 8) > 8 else "pillow"
+    else:
+        label = _PLUGIN_BY_SYNTAX.get(syntax, "")
+    try:
+        return label if label and label in get_decoder(syntax).available_plugins else ""
+    except NotImplementedError:
+        return ""
 
 
 class DicomHeader(NamedTuple):
@@ -115,16 +163,26 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
         raise ImageNotFoundError(f"{path}: file not found")
     try:
         with open(path, "rb") as f:
-            ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+            try:
+                ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+            except InvalidDicomError:  # no preamble: an image only if pydicom finds one with force=True
+                f.seek(0)
+                ds = _read_without_preamble(path, f, stop_before_pixels=True)
             pixel_offset = f.tell()
             head = f.read(12)
             file_size = os.fstat(f.fileno()).st_size
+        if str(ds.file_meta.get("TransferSyntaxUID", "")) == _DEFLATED:  # offsets are in the inflated stream
+            ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+            pixel_offset, head = (0, b"") if has_image_elements(ds) else (file_size, b"")
+    except ImageReadError:
+        raise
     except Exception as exc:  # pydicom raises many types for broken files
         raise _dicom_error(path, exc) from None
     if "Rows" not in ds or "Columns" not in ds or pixel_offset >= file_size:
         raise ImageReadError(f"{path}: DICOM file has no pixel data")
+    check_values(path, ds)
     check_decodable(path, ds)
-    if not ds.file_meta.TransferSyntaxUID.is_compressed:
+    if not ds.file_meta.TransferSyntaxUID.is_compressed and head:  # head is b"" for deflated files
         expected = _pixel_bytes(ds)
         if file_size - pixel_offset < expected + 8:  # + 8: the smallest element header
             raise ImageReadError(
@@ -135,7 +193,10 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
 
 def _pixel_bytes(ds: Dataset) -> int:
     frames, samples = int(ds.get("NumberOfFrames") or 1), int(ds.get("SamplesPerPixel") or 1)
-    return (ds.Rows * ds.Columns * frames * samples * int(ds.get("BitsAllocated") or 8) + 7) // 8
+    length = (ds.Rows * ds.Columns * frames * samples * int(ds.get("BitsAllocated") or 8) + 7) // 8
+    if str(ds.get("PhotometricInterpretation", "")) == "YBR_FULL_422":  # two of three chroma samples per pair
+        length = length // 3 * 2
+    return length
 
 
 def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Dataset]:
@@ -147,16 +208,22 @@ def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Data
     if not os.path.isfile(path):
         raise ImageNotFoundError(f"{path}: file not found")
     try:
-        ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+        try:
+            ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+        except InvalidDicomError:  # no preamble: see dicom_header
+            ds = _read_without_preamble(path, path)
+    except ImageReadError:
+        raise
     except Exception as exc:  # pydicom raises many types for broken files
         raise _dicom_error(path, exc) from None
     if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):
         raise ImageReadError(f"{path}: DICOM file has no pixel data")
+    check_values(path, ds)
     check_decodable(path, ds)
     count = int(ds.get("NumberOfFrames") or 1)
     index = frame_index(path, frames, count)
     try:
-        stored = pixel_array(ds, index=index)
+        stored = pixel_array(ds, index=index, decoding_plugin=decoding_plugin(ds))
     except Exception as exc:
         raise ImageReadError(f"{path}: cannot decode pixel data ({one_line(exc)})") from None
     if index is None and count == 1:
@@ -187,12 +254,22 @@ def _display(
     """
     out = values if reuse and values.dtype == np.float32 else None
     image = min_max(values) if window is None else window_values(values, *window, out=out)
-    return np.subtract(np.float32(1.0), image, out=image) if monochrome1 else image
+    return np.subtract(np.float32(1.0), image, out=image) if monochrome1 else image  # both stay in [0, 1]
 
 
 def read_dicom(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
     """One DICOM file as float32 [0, 1] through pydicom's decoders (see the module docstring)."""
     stored, ds = decode(path, options.frames)
+    try:
+        image = _display_dataset(path, stored, ds, options)
+    except ImageReadError:
+        raise
+    except Exception as exc:  # a malformed element that the header checks let through
+        raise ImageReadError(f"{path}: cannot display pixel data ({type(exc).__name__}: {one_line(exc)})") from None
+    return finite(path, image)
+
+
+def _display_dataset(path: str | os.PathLike, stored: np.ndarray, ds: Dataset, options: ReadOptions) -> np.ndarray:
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
     if photometric == "PALETTE COLOR":
         lut_bits = int(ds.RedPaletteColorLookupTableDescriptor[2])
@@ -202,6 +279,16 @@ def read_dicom(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
         return (stored.astype(np.float32) / np.float32(max_value)).clip(0.0, 1.0)
     window = options.explicit_window or _tag_window(path, ds, options.window_index)
     return _display(apply_modality_lut(stored, ds), window, photometric == "MONOCHROME1")
+
+
+def finite(path: str | os.PathLike, image: np.ndarray) -> np.ndarray:
+    """``image`` when every value is finite; else :class:`ImageReadError` (nothing non-finite reaches a batch)."""
+    if image.size and not np.isfinite(image).all():
+        raise ImageReadError(
+            f"{path}: non-finite (NaN or infinite) pixel values after rescale and window; "
+            "check its pixel data and RescaleSlope/RescaleIntercept"
+        )
+    return image
 
 
 def modality_values(path: str | os.PathLike, *, frames: str | int = "middle") -> np.ndarray:
@@ -311,7 +398,7 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
     if plan.unused_bits:
         np.left_shift(stored, plan.unused_bits, out=stored)
         np.right_shift(stored, plan.unused_bits, out=stored)
-    values = stored
+    values, bounded = stored, True  # integers through a finite window or min-max stay finite
     if plan.rescale is not None:
         slope, intercept = plan.rescale
         # float32 is exact (hence identical to pydicom's float64) for integer rescale of small integers
@@ -320,4 +407,6 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
         values = stored.astype(np.float32 if exact else np.float64)
         values *= slope
         values += intercept
-    return _display(values, plan.window, plan.monochrome1, reuse=True)
+        bounded = largest < 1e38  # no overflow to inf in float32
+    image = _display(values, plan.window, plan.monochrome1, reuse=True)
+    return image if bounded else finite(path, image)

@@ -9,13 +9,23 @@ that read every file once per epoch.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitlab.data.dicom import NativePlan, dicom_header, modality_values, native_plan, read_dicom, read_native
+from vitlab.data.dicom import (
+    NativePlan,
+    dicom_header,
+    finite,
+    modality_values,
+    native_plan,
+    read_dicom,
+    read_native,
+)
 from vitlab.data.read_options import (
     WINDOW_PRESETS,
     ImageNotFoundError,
@@ -147,8 +157,24 @@ def _checked_kind(path: str | os.PathLike) -> str:
 
 def read_with_options(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
     """:func:`read_image` with already validated :class:`ReadOptions`."""
-    reader = read_dicom if _checked_kind(path) == "dicom" else _read_raster
-    return reader(path, options)
+    with file_errors(path, "cannot read image"):
+        reader = read_dicom if _checked_kind(path) == "dicom" else _read_raster
+        return finite(path, reader(path, options))
+
+
+@contextmanager
+def file_errors(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn any exception a malformed file provokes into an :class:`ImageReadError` naming the file.
+
+    The readers raise :class:`ImageReadError` with a precise reason for every case known; this is
+    the net under them, so that ``on_bad_file="skip"`` skips an unforeseen one too.
+    """
+    try:
+        yield
+    except ImageReadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the file's fault, whatever the library raised
+        raise ImageReadError(f"{path}: {what} ({type(exc).__name__}: {one_line(exc)})") from None
 
 
 class ImageReader:
@@ -176,14 +202,15 @@ class ImageReader:
             ImageReadError: The file is unusable (missing, unsupported, not DICOM, truncated, no decoder).
         """
         key = os.fspath(path)
-        kind = _checked_kind(key)
-        stat = os.stat(key)
-        if kind == "dicom":
-            header = dicom_header(key)
-            plan = native_plan(key, self.options, header)
-            patient = str(header.ds.get("PatientID", "") or "").strip() or None
-        else:
-            plan, patient = None, _check_raster_header(key)
+        with file_errors(key, "cannot read header"):
+            kind = _checked_kind(key)
+            stat = os.stat(key)
+            if kind == "dicom":
+                header = dicom_header(key)
+                plan = native_plan(key, self.options, header)
+                patient = str(header.ds.get("PatientID", "") or "").strip() or None
+            else:
+                plan, patient = None, _check_raster_header(key)
         self._memo[key] = (stat.st_mtime_ns, stat.st_size, kind, plan)
         return {"patient_id": patient}
 
@@ -198,9 +225,12 @@ class ImageReader:
             self.inspect(key)
             memo = self._memo[key]
         kind, plan = memo[2], memo[3]
-        if plan is not None:
-            return read_native(key, plan, self.options.frames)
-        return read_dicom(key, self.options) if kind == "dicom" else _read_raster(key, self.options)
+        with file_errors(key, "cannot read image"):
+            if plan is not None:
+                return read_native(key, plan, self.options.frames)
+            if kind == "dicom":
+                return read_dicom(key, self.options)
+            return finite(key, _read_raster(key, self.options))
 
 
 def _check_raster_header(path: str | os.PathLike) -> None:

@@ -31,7 +31,8 @@ import numpy as np
 from vitlab.data.io import SUPPORTED_TYPES, ImageReadError, header_info, image_kind
 
 SPLITS = ("train", "val", "test")
-MANIFEST_COLUMNS = ("path", "label", "split", "patient_id")
+MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "mask")
+MASKS_FOLDER = "masks"  # class-folder layout: root/masks/<class>/<relative path>.png holds the label maps
 
 
 class SkippedFileWarning(UserWarning):
@@ -48,12 +49,14 @@ class Sample:
         patient_id: Patient the image belongs to (manifest column, DICOM PatientID, else the path);
             None until :func:`check_files` has run.
         split: ``"train"``, ``"val"``, ``"test"`` or None when not assigned yet.
+        mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.dense`), or None.
     """
 
     path: Path
     label: str
     patient_id: str | None = None
     split: str | None = None
+    mask: Path | None = None
 
 
 @dataclass
@@ -120,7 +123,8 @@ def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_ba
 
 def _scan_class_folders(root: Path) -> Layout:
     samples: list[Sample] = []
-    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and d.name != MASKS_FOLDER)
+    masks = root / MASKS_FOLDER
     for class_dir in class_dirs:
         files = []
         for folder, subdirs, names in os.walk(class_dir):
@@ -129,8 +133,19 @@ def _scan_class_folders(root: Path) -> Layout:
         images = [f for f in files if image_kind(f) is not None]
         if not images:
             raise ValueError(f"class folder {class_dir} contains no image files (supported: {SUPPORTED_TYPES})")
-        samples += [Sample(path=f.resolve(), label=class_dir.name) for f in images]
+        samples += [Sample(path=f.resolve(), label=class_dir.name, mask=_parallel_mask(masks, root, f)) for f in images]
     return Layout(samples=samples, class_names=[d.name for d in class_dirs], skipped=[])
+
+
+def _parallel_mask(masks: Path, root: Path, image: Path) -> Path | None:
+    """``root/<class>/a/b.dcm`` -> ``root/masks/<class>/a/b.png`` (or ``.tif`` / ``.tiff`` when that exists)."""
+    if not masks.is_dir():
+        return None
+    stem = masks / image.relative_to(root).with_suffix("")
+    for suffix in (".tif", ".tiff"):
+        if stem.with_suffix(suffix).is_file():
+            return stem.with_suffix(suffix).resolve()
+    return stem.with_suffix(".png").resolve()
 
 
 def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
@@ -171,7 +186,8 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
             error_type = FileNotFoundError if not path.is_file() else ImageReadError
             skip_or_raise(error_type(f"manifest {manifest} line {line}: {path} {reason}"), on_bad_file, skipped)
             continue
-        samples.append(Sample(path, cell["label"], cell.get("patient_id") or None, split))
+        mask = (manifest.parent / cell["mask"]).resolve() if cell.get("mask") else None
+        samples.append(Sample(path, cell["label"], cell.get("patient_id") or None, split, mask))
     if not samples:
         raise ValueError(f"manifest {manifest} lists no usable image files")
     return Layout(samples=samples, class_names=[], has_split_column="split" in column, skipped=skipped)

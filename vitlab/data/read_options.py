@@ -103,12 +103,13 @@ def window_values(values: np.ndarray, center: float, width: float, *, out: np.nd
 
 
 def min_max(values: np.ndarray) -> np.ndarray:
-    """Scale to [0, 1] by the array's own range (a constant array gives zeros), float32."""
+    """Scale to [0, 1] by the array's own range (a constant array gives zeros), float32, clipped exactly."""
     values = np.asarray(values, dtype=np.float32)
     low, high = float(values.min()), float(values.max())
     if high <= low:
         return np.zeros_like(values)
-    return (values - np.float32(low)) * np.float32(1.0 / (high - low))
+    out = (values - np.float32(low)) * np.float32(1.0 / (high - low))
+    return np.clip(out, 0.0, 1.0, out=out)  # rounding can give 1.0000001
 
 
 def frame_index(path: object, frames: str | int, count: int) -> int | None:

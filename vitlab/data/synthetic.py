@@ -9,8 +9,10 @@ balanced, and a lesion slice and its lesion-free neighbour share the same anatom
 through patient appearance; a split that is not grouped by patient leaks). Lesions vary in size
 (small ones are the hard cases), edge sharpness, hypo- or hyperdensity and texture
 (homogeneous, heterogeneous, rim-enhancing); ``difficulty`` scales their contrast and size (0:
-obvious, 1: barely above the noise). ``manifest.csv`` has ``path,label,patient_id`` and no split column,
-so vitlab's patient-grouped split applies. Everything is deterministic by ``seed``.
+obvious, 1: barely above the noise). ``manifest.csv`` has ``path,label,patient_id,mask`` and no split
+column, so vitlab's patient-grouped split applies; ``mask`` is each slice's lesion label map
+(``masks/P0000/slice_00.png``, uint8: 0 background, 1 lesion, the inside of the outlines that were drawn),
+for detection and segmentation. Everything is deterministic by ``seed``.
 
 Run ``python -m vitlab.data.synthetic --out DIR`` or call :func:`generate`;
 :func:`embedded_dataset` keeps one generated copy per parameter set in the cache folder.
@@ -29,12 +31,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 
 from vitlab.data.cache import cache_root
 
-GENERATOR_VERSION = 1  # bump when the generated images change
+GENERATOR_VERSION = 3  # bump when the generated images change
 LABELS = ("lesion", "no_lesion")
 _INTERCEPT_HU = -1024.0
 
@@ -65,8 +68,9 @@ def _ellipse_depth(
 
 def _patient_volume(
     rng: np.random.Generator, slices: int, size: int, difficulty: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """One patient's slices in HU, (slices, size, size) float32, and which slices show a lesion (slices,) bool."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One patient's slices in HU, (slices, size, size) float32, which slices show a lesion (slices,) bool and
+    the lesion masks (slices, size, size) uint8 (1 inside a lesion outline)."""
     px = size / 128.0  # pixel scale relative to the default size
     y, x = np.mgrid[0:size, 0:size].astype(np.float32)
     shape = (slices, size, size)
@@ -91,6 +95,7 @@ def _patient_volume(
     lesions = _draw_lesions(rng, start, run, px, (cx, cy, ax, ay), spine, difficulty)
 
     volume = np.empty(shape, dtype=np.float32)
+    masks = np.zeros(shape, dtype=np.uint8)
     for k in range(slices):
         dz = (k - (slices - 1) / 2) / slices
         body_depth = _ellipse_depth(x, y, cx, cy, ax * (1 + taper * dz), ay * (1 + taper * dz), tilt)
@@ -104,10 +109,12 @@ def _patient_volume(
             hu += vhu * _soft(vdepth, 0.5)
         hu += 600.0 * _soft(spine[2] - np.hypot(x - spine[0], y - spine[1]), 0.8)
         for draw in lesions if has_lesion[k] else []:
-            hu += _lesion_hu(x, y, k, draw, hetero[k])
+            added, inside = _lesion_hu(x, y, k, draw, hetero[k])
+            hu += added
+            masks[k] |= inside
         hu = hu * (1 - fat) + (-100.0 + 0.3 * tissue[k]) * fat
         volume[k] = -1000.0 + (hu + 1000.0) * body + noise_hu * noise[k]
-    return volume, has_lesion
+    return volume, has_lesion, masks
 
 
 def _draw_lesions(
@@ -141,20 +148,21 @@ def _draw_lesions(
     return draws
 
 
-def _lesion_hu(x: np.ndarray, y: np.ndarray, k: int, d: dict, hetero: np.ndarray) -> np.ndarray:
-    """HU added by one lesion on slice ``k``, (S, S)."""
+def _lesion_hu(x: np.ndarray, y: np.ndarray, k: int, d: dict, hetero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HU added by one lesion on slice ``k``, (S, S), and its mask (S, S) uint8 (inside the outline)."""
     r_k = d["radius"] * np.sqrt(max(0.0, 1.0 - ((k - d["z"]) / d["rz"]) ** 2))
     c, s = np.cos(d["angle"]), np.sin(d["angle"])
     u, v = (x - d["x"]) * c + (y - d["y"]) * s, (-(x - d["x"]) * s + (y - d["y"]) * c) / d["aspect"]
     phi, dist = np.arctan2(v, u), np.hypot(u, v)
     a2, p2, a3, p3 = d["wobble"]
     outline = r_k * (1 + a2 * np.cos(2 * phi + p2) + a3 * np.cos(3 * phi + p3))
+    inside = (dist < outline).astype(np.uint8)
     mask = _soft(outline - dist, d["edge"])
     if d["texture"] == "heterogeneous":
         mask = mask * np.clip(0.7 + 0.5 * hetero, 0.0, 1.6)
     elif d["texture"] == "rim":
         mask = mask - 1.6 * _soft(0.5 * outline - dist, d["edge"] / 2)  # rim, opposite-sign core
-    return d["contrast"] * mask
+    return d["contrast"] * mask, inside
 
 
 def _write_slice(path: Path, hu: np.ndarray, seed: int, patient: int, k: int, size_mm: float) -> None:
@@ -202,7 +210,7 @@ def generate(
             to 1 (10-30 HU, 2.5-8 px: near the noise); linear in between.
 
     Returns:
-        Path of ``manifest.csv`` (columns ``path,label,patient_id``).
+        Path of ``manifest.csv`` (columns ``path,label,patient_id,mask``).
     """
     if not (isinstance(seed, int) and seed >= 0):
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
@@ -217,15 +225,18 @@ def generate(
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for p in range(patients):
-        volume, has_lesion = _patient_volume(np.random.default_rng([seed, p]), slices, size, difficulty)
+        volume, has_lesion, masks = _patient_volume(np.random.default_rng([seed, p]), slices, size, difficulty)
         (out / f"P{p:04d}").mkdir()
         for k in range(slices):
             rel = f"P{p:04d}/slice_{k:02d}.dcm"
             _write_slice(out / rel, volume[k], seed, p, k, size_mm=350.0)
-            rows.append((rel, LABELS[0] if has_lesion[k] else LABELS[1], f"SYN{seed:03d}-{p:04d}"))
+            mask_rel = f"masks/P{p:04d}/slice_{k:02d}.png"  # a parallel tree: image folders hold images only
+            (out / mask_rel).parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(masks[k]).save(out / mask_rel)
+            rows.append((rel, LABELS[0] if has_lesion[k] else LABELS[1], f"SYN{seed:03d}-{p:04d}", mask_rel))
     manifest = out / "manifest.csv"
     with open(manifest, "w", newline="") as f:
-        csv.writer(f).writerows([("path", "label", "patient_id"), *rows])
+        csv.writer(f).writerows([("path", "label", "patient_id", "mask"), *rows])
     params = dict(seed=seed, patients=patients, slices=slices, size=size, difficulty=difficulty)
     (out / "dataset.json").write_text(json.dumps({"generator_version": GENERATOR_VERSION, **params}, indent=1))
     return manifest

@@ -3,13 +3,15 @@
 Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normalization`,
 :func:`parameter_groups`, :func:`freeze`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.
 Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_attention`,
-:func:`capture`, :func:`forward_until`. Supported families: timm ViT/DeiT, timm Swin (v1), timm
-MLP-Mixer, torchvision ViT and torchvision Swin (v1); one adapter each in ``timm_families`` /
-``torchvision_families``.
+:func:`capture`, :func:`forward_until`. Supported families (:func:`families_table`): timm ViT/DeiT,
+Swin V1, Swin V2 / V2-Cr, Eva, Beit, ViT-RelPos, MLP-Mixer; torchvision ViT, Swin V1 and V2; one adapter
+each in ``timm_families`` / ``timm_swin_v2`` / ``timm_relpos_families`` / ``torchvision_families`` (see
+:mod:`vitlab.models.adapter` for the registry). Task models: :func:`build_detector` (Mask R-CNN) and :func:`build_segmenter`
+around a timm ViT / Swin; every function above sees their backbone (``vitlab_backbone()``).
 """
 
 from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
-from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, supported_families
+from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, families_table, supported_families
 from vitlab.models.anatomy import (
     blocks,
     embeddings,
@@ -24,6 +26,7 @@ from vitlab.models.anatomy import (
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
 from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
+from vitlab.models.dense import DETECTION_HEADS, backbone_state, build_detector, build_segmenter
 from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
@@ -36,6 +39,7 @@ __all__ = [
     "pooled_features",
     "BlockView",
     "CAPTURE_SITES",
+    "DETECTION_HEADS",
     "Capture",
     "Embeddings",
     "LoadReport",
@@ -47,11 +51,15 @@ __all__ = [
     "ablated",
     "ablation_components",
     "ablation_state",
+    "backbone_state",
     "blocks",
+    "build_detector",
     "build_model",
+    "build_segmenter",
     "capture",
     "dense_window_attention",
     "embeddings",
+    "families_table",
     "family_name",
     "forward_until",
     "freeze",

@@ -6,10 +6,32 @@ its blocks (with their stage/index), the sub-modules of a block (``norm1``, toke
 record attention probabilities, and which parameter-name prefixes form the embedding / head / norm.
 Everything else in :mod:`vitlab.models` is written once against this vocabulary; adding a family is
 adding one :class:`FamilyAdapter` subclass and registering it with :func:`register_adapter`.
+
+The registry
+------------
+``_REGISTRY`` is an ordered list of adapter classes; :func:`get_adapter` returns the first whose
+:meth:`FamilyAdapter.matches` accepts the model (so a narrower adapter must be registered before a
+broader one of the same library class). Adapters register themselves with the ``@register_adapter``
+decorator when their module is imported; the modules are listed in ``_BUILTIN_MODULES`` and imported on
+first use (a module whose library is not installed, e.g. an optional extra, is skipped). To add a family:
+
+1. subclass :class:`FamilyAdapter` in a module of :mod:`vitlab.models` and decorate it with
+   ``@register_adapter``; append the module to ``_BUILTIN_MODULES`` if it is new;
+2. fill the class attributes that describe it for users: ``family`` (id), ``description`` (one line for
+   error messages), ``library`` (``timm`` / ``torchvision`` / ``transformers``), ``classes`` (the library
+   class names), ``examples`` (model names that build it), ``supports`` (what works; the default lists
+   every feature) and ``notes`` (position terms, norm placement, what is not supported);
+3. add a tiny configuration to :data:`vitlab.models.testing.TINY_MODELS` and its oracles to the tests.
+
+:func:`families_table` renders the registry as the README's "Supported model families" table;
+``tests/test_models_families.py`` fails when the README copy differs from it (print it with
+``python -c "from vitlab.models import families_table; print(families_table())"`` and paste it between the
+``<!-- families-table:start -->`` / ``end`` markers).
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional
@@ -23,6 +45,7 @@ __all__ = [
     "FamilyAdapter",
     "UnsupportedModelError",
     "conv_embeddings",
+    "families_table",
     "get_adapter",
     "register_adapter",
     "supported_families",
@@ -51,9 +74,16 @@ class BlockView:
         has_attention: False for MLP-Mixer blocks (token mixing is an MLP).
         window_size: Swin attention window (h, w) at the configured input size; None otherwise.
         shift_size: Swin cyclic shift (h, w), (0, 0) for unshifted blocks; None otherwise.
-        rel_pos_table: Swin relative-position bias table ((2w-1)^2, heads), the live Parameter; or None.
+        rel_pos_table: Swin V1 / BEiT relative-position bias table ((2w-1)^2 (+3 for BEiT's class token),
+            heads), the live Parameter; or None (Swin V2's bias comes from an MLP).
         grid: Token grid (H, W) entering this block at the model's configured input size.
         num_prefix_tokens: Class/register tokens in front of the patch tokens (0 for Swin/Mixer).
+        attention_form: ``"dot"`` (logits = q.k / sqrt(hd) + position terms) or ``"cosine"`` (Swin V2:
+            logits = exp(min(s_h, log 100)) * q.k / (|q| |k|) + position bias). For cosine attention the QK
+            spectra (:func:`vitlab.analysis.qk_spectra`) are those of Wq_h^T Wk_h, the bilinear form of the
+            un-normalised numerator q.k: its sign structure (positive mass, symmetry score) and effective
+            rank carry over to the cosine logits, its singular-value magnitudes do not (the per-pair norms
+            and the logit scale s_h set those).
     """
 
     name: str
@@ -71,6 +101,7 @@ class BlockView:
     rel_pos_table: Optional[nn.Parameter] = field(repr=False)
     grid: tuple[int, int]
     num_prefix_tokens: int
+    attention_form: str = "dot"
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,10 +147,20 @@ class FamilyAdapter:
         part_names: Block-relative module names of ``norm1``, ``mixer``, ``norm2``, ``mlp``.
         input_conv: Dotted name of the first (patch-embedding) convolution.
         mlp_act_name: Name of the activation inside the block's channel MLP.
+        norm_placement: ``"pre"`` (``x + f(norm(x))``, most ViTs) or ``"post"`` (res-post-norm,
+            ``x + norm(f(x))``: Swin V2). Post-norm adapters' branch methods take the ``norm`` to apply.
+        library, classes, examples, supports, notes: the registry row shown in the README table
+            (``supports`` lists what works, ``notes`` the family's particulars and limits).
     """
 
     family: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    library: ClassVar[str] = ""
+    classes: ClassVar[str] = ""
+    examples: ClassVar[str] = ""
+    supports: ClassVar[str] = "qkv, blocks, record_attention, capture, ablate, transplant, forward_until"
+    notes: ClassVar[str] = ""
+    norm_placement: ClassVar[str] = "pre"
     mixer_name: ClassVar[str] = "attention"
     part_names: ClassVar[dict[str, str]] = {}
     input_conv: ClassVar[str] = ""
@@ -154,7 +195,8 @@ class FamilyAdapter:
         return int(getattr(conv, "in_chans", conv.in_channels))
 
     def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
-        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``)."""
+        """The fused projection of a block: weight (3C', C) and bias (3C',) or None (default: ``attn.qkv``).
+        Families with separate projections return the tuples (W_q, W_k, W_v) and (b_q, b_k, b_v) or None."""
         qkv = self._attention(block).qkv
         return qkv.weight, qkv.bias
 
@@ -174,16 +216,32 @@ class FamilyAdapter:
         return block.get_submodule(self.part_names[part])
 
     def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
-        """Token-mixing branch on the normalised input, up to (excluding) the residual add."""
+        """Token-mixing branch on the normalised input, up to (excluding) the residual add. Post-norm
+        adapters get the block input and a ``norm`` keyword (norm1 or the identity) to apply to the output."""
         raise NotImplementedError
 
-    def mlp_branch(self, block: nn.Module, h: Tensor) -> Tensor:
-        """Channel-MLP branch on the normalised input, up to (excluding) the residual add."""
+    def mlp_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
+        """Channel-MLP branch on the normalised input, up to (excluding) the residual add (post-norm:
+        on the stream, with ``norm``)."""
         raise NotImplementedError
+
+    def block_output(self, x: Tensor):
+        """What the library block returns for the output stream ``x`` (default: ``x`` itself)."""
+        return x
+
+    def runtime_grid(self, block: nn.Module, args: tuple) -> tuple[int, int]:
+        """Swin only: the token grid (H, W) of a block call from its positional ``args`` (default: the
+        (B, H, W, C) input's shape)."""
+        return (int(args[0].shape[1]), int(args[0].shape[2]))
 
     def to_mlp_layout(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
         """Reshape the stream between the two branches as the library does; returns (x, undo)."""
         return x, _identity
+
+    def main_branch_norm(self, block: nn.Module, x: Tensor) -> Tensor:
+        """A norm the block applies to the stream after both residual adds (Swin V2-Cr ``norm3``; it is
+        kept by every ablation, like the model's final norm). Default: none."""
+        return x
 
     def mlp_activation(self, block: nn.Module) -> nn.Module:
         """The activation module of the block's channel MLP (its output is the MLP hidden layer)."""
@@ -236,6 +294,14 @@ def conv_embeddings(conv: nn.Conv2d, grid: tuple[int, int], pos_embed: Optional[
 
 
 _REGISTRY: list[type[FamilyAdapter]] = []
+# modules whose import registers the built-in adapters, in matching order (missing libraries are skipped)
+_BUILTIN_MODULES = [
+    "vitlab.models.timm_families",
+    "vitlab.models.timm_swin_v2",
+    "vitlab.models.timm_relpos_families",
+    "vitlab.models.torchvision_families",
+]
+_LOADED: list[str] = []
 
 
 def register_adapter(adapter: type[FamilyAdapter]) -> type[FamilyAdapter]:
@@ -250,9 +316,30 @@ def supported_families() -> list[str]:
     return [adapter.description for adapter in _REGISTRY]
 
 
+def families_table() -> str:
+    """The registry as a Markdown table (library, class, example names, what is supported), one row per
+    adapter in registry order: the README's "Supported model families" section (the Hugging Face rows
+    when the ``hf`` extra is installed)."""
+    _load_builtin_adapters()
+    try:  # the optional extra's adapters load lazily elsewhere (importing transformers is slow)
+        import vitlab.models.hf_families  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name != "transformers":
+            raise
+    lines = ["| library | class | example names | family id | supported |", "| --- | --- | --- | --- | --- |"]
+    for adapter in sorted(_REGISTRY, key=lambda a: a.library.startswith("transformers")):
+        supported = adapter.supports + (f"; {adapter.notes}" if adapter.notes else "")
+        cells = [adapter.library, adapter.classes, adapter.examples, f"`{adapter.family}`", supported]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Returns the plain network inside a ``torch.compile`` wrapper (or the model itself)."""
-    return getattr(model, "_orig_mod", model)
+    """Returns the plain network inside a ``torch.compile`` wrapper (or the model itself), and the backbone
+    of a task model (detector, segmenter) that names it through a ``vitlab_backbone()`` method."""
+    model = getattr(model, "_orig_mod", model)
+    backbone = getattr(model, "vitlab_backbone", None)
+    return unwrap_model(backbone()) if callable(backbone) else model
 
 
 def get_adapter(model: nn.Module) -> FamilyAdapter:
@@ -278,9 +365,21 @@ def get_adapter(model: nn.Module) -> FamilyAdapter:
 
 
 def _load_builtin_adapters() -> None:
-    """Import the built-in adapter modules (they register themselves)."""
-    if not _REGISTRY:
-        from vitlab.models import timm_families, torchvision_families  # noqa: F401
+    """Import the built-in adapter modules once (they register themselves); modules of optional
+    libraries that are not installed are skipped."""
+    import importlib
+
+    for module in _BUILTIN_MODULES:
+        if module in _LOADED:
+            continue
+        _LOADED.append(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:  # an optional extra (e.g. transformers) is not installed
+            if error.name is not None and module.startswith(error.name):
+                raise
+    if sys.modules.get("transformers") is not None and "vitlab.models.hf_families" not in sys.modules:
+        from vitlab.models import hf_families  # noqa: F401  (optional extra: only once transformers is in use)
 
 
 def window_slot_tokens(

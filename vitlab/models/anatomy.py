@@ -91,6 +91,11 @@ def qkv(model: nn.Module) -> dict[str, dict[str, Tensor]]:
     result: dict[str, dict[str, Tensor]] = {}
     for view in adapter.block_views(model):
         weight, bias = adapter.qkv_projection(view.module)
+        if isinstance(weight, tuple):  # separate projections (Hugging Face)
+            entry = {key: matrix.detach() for key, matrix in zip("qkv", weight)}
+            entry.update({f"{key}_bias": vector.detach() for key, vector in zip("qkv", bias or ())})
+            result[view.name] = entry
+            continue
         weight = weight.detach()  # (3C', C)
         width = weight.shape[0] // 3
         entry = {key: weight[i * width:(i + 1) * width] for i, key in enumerate("qkv")}

@@ -142,12 +142,13 @@ def record_attention(model: nn.Module, blocks: Optional[Union[BlockRef, Iterable
         for view in views:
             stack.enter_context(adapter.attention_recorder(view.module, record._sink(view.name)))
             if view.window_size is not None:
-                stack.callback(view.module.register_forward_pre_hook(_grid_hook(record, view.name)).remove)
+                hook = _grid_hook(record, view.name, adapter)
+                stack.callback(view.module.register_forward_pre_hook(hook).remove)
         yield record
 
 
-def _grid_hook(record: AttentionRecord, name: str):
-    """Forward pre-hook storing the runtime (H, W) of a Swin block input (B, H, W, C)."""
+def _grid_hook(record: AttentionRecord, name: str, adapter: FamilyAdapter):
+    """Forward pre-hook storing the runtime (H, W) of a Swin block call."""
     def hook(module: nn.Module, args: tuple) -> None:
-        record.grids[name] = (int(args[0].shape[1]), int(args[0].shape[2]))
+        record.grids[name] = adapter.runtime_grid(module, args)
     return hook

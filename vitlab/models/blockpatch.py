@@ -1,11 +1,15 @@
-"""One re-implementation of a pre-norm transformer block forward, used for ablation and capture.
+"""One re-implementation of a transformer block forward, used for ablation and capture.
 
-Every supported block computes ``x = x + branch1(norm1(x))`` then ``x = x + branch2(norm2(x))``
+Every supported pre-norm block computes ``x = x + branch1(norm1(x))`` then ``x = x + branch2(norm2(x))``
 (branch1 = attention or token-mixing MLP, branch2 = channel MLP, each including the library's
-LayerScale / drop-path / dropout). :func:`patched_forward` replays exactly the library's operations
-through the family adapter, so with every switch on it is bit-identical to the library forward, while
-switches drop a branch, a norm or a residual, and taps report the intermediate tensors. The forward is
-installed on the block *instance*, so the state_dict is untouched and weights load into patched models.
+LayerScale / drop-path / dropout); a res-post-norm block (Swin V2, adapter ``norm_placement = "post"``)
+computes ``x = x + drop_path(norm1(branch1(x)))`` then ``x = x + drop_path(norm2(branch2(x)))``, so there
+``qkv_input`` / ``mlp_input`` are the stream itself and a removed norm drops the norm inside the branch
+(a norm on the stream after both adds, Swin V2-Cr's ``norm3``, is always kept). :func:`patched_forward`
+replays exactly the library's operations through the family adapter, so with every switch on it is
+bit-identical to the library forward, while switches drop a branch, a norm or a residual, and taps report
+the intermediate tensors. The forward is installed on the block *instance*, so the state_dict is untouched
+and weights load into patched models.
 """
 
 from __future__ import annotations
@@ -61,25 +65,39 @@ def _emit(taps: dict[str, list[Callable[[Tensor], None]]], site: str, tensor: Te
         tap(tensor)
 
 
-def patched_forward(block: nn.Module, x: Tensor, **kwargs) -> Tensor:
-    """The block forward with switches and taps (x: (B, N, C), or (B, H, W, C) for Swin)."""
+def patched_forward(block: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    """The block forward with switches and taps (x: (B, N, C), or (B, H, W, C) for Swin); further
+    arguments of the library call go to the token-mixing branch."""
     state: BlockState = block.__dict__[_STATE_KEY]
     switches, taps, adapter = state.switches, state.taps, state.adapter
+    post = adapter.norm_placement == "post"
     if switches.mixer:
-        h = state.norm1(x) if switches.norm1 else x
-        _emit(taps, "qkv_input", h)
-        branch = adapter.mixer_branch(block, h, **kwargs)
+        if post:
+            _emit(taps, "qkv_input", x)
+            branch = adapter.mixer_branch(block, x, *args, norm=state.norm1 if switches.norm1 else _identity, **kwargs)
+        else:
+            h = state.norm1(x) if switches.norm1 else x
+            _emit(taps, "qkv_input", h)
+            branch = adapter.mixer_branch(block, h, *args, **kwargs)
         _emit(taps, "attn", branch)
         x = x + branch if switches.residual_mixer else branch
     x, undo_layout = adapter.to_mlp_layout(x)
     if switches.mlp:
-        h = state.norm2(x) if switches.norm2 else x
-        _emit(taps, "mlp_input", h)
-        branch = adapter.mlp_branch(block, h)
+        if post:
+            _emit(taps, "mlp_input", x)
+            branch = adapter.mlp_branch(block, x, norm=state.norm2 if switches.norm2 else _identity)
+        else:
+            h = state.norm2(x) if switches.norm2 else x
+            _emit(taps, "mlp_input", h)
+            branch = adapter.mlp_branch(block, h)
         _emit(taps, "mlp", branch)
         x = x + branch if switches.residual_mlp else branch
-    x = undo_layout(x)
+    x = undo_layout(adapter.main_branch_norm(block, x))
     _emit(taps, "resid", x)
+    return adapter.block_output(x)
+
+
+def _identity(x: Tensor) -> Tensor:
     return x
 
 

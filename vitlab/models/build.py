@@ -26,7 +26,7 @@ __all__ = [
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-TIMM_PREFIXES = ("vit_", "deit_", "deit3_", "swin_", "mixer_")
+TIMM_PREFIXES = ("vit_", "deit_", "deit3_", "swin_", "mixer_", "swinv2_", "eva", "beit")
 _PROBE_TIMEOUT_S = 3.0
 
 # torchvision architectures: constructor arguments of the named builders (torchvision 0.29)
@@ -42,8 +42,15 @@ TORCHVISION_MODELS: dict[str, dict[str, Any]] = {
                    window_size=[7, 7], stochastic_depth_prob=0.3),
     "swin_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
                    window_size=[7, 7], stochastic_depth_prob=0.5),
+    # Swin V2: SwinTransformerBlockV2 + PatchMergingV2 (added by _build_torchvision for names swin_v2_*)
+    "swin_v2_t": dict(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+                      window_size=[8, 8], stochastic_depth_prob=0.2),
+    "swin_v2_s": dict(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24],
+                      window_size=[8, 8], stochastic_depth_prob=0.3),
+    "swin_v2_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
+                      window_size=[8, 8], stochastic_depth_prob=0.5),
 }
-_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision"}
+_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf"}
 
 
 class PretrainedWeightsUnavailable(RuntimeError):
@@ -132,10 +139,12 @@ def _hub_offline(enabled: bool) -> Iterator[None]:
 
 
 def _unavailable(name: str, reason: str) -> PretrainedWeightsUnavailable:
-    return PretrainedWeightsUnavailable(
+    err = PretrainedWeightsUnavailable(
         f"pretrained weights for {name!r} are not available ({reason}): set `model.weights: /path/to/file` "
         f"(a timm/torchvision state_dict, .safetensors file or vitlab checkpoint) or train from scratch "
         f"with `model.pretrained: false`")
+    err.reason = reason  # the probe CLI words its own advice (--weights FILE)
+    return err
 
 
 def _download_errors() -> tuple[type[BaseException], ...]:
@@ -220,6 +229,10 @@ def _build_torchvision(name: str, arch: str, num_classes: int, in_chans: int,
             for key in ("patch_size", "window_size"):
                 if isinstance(config[key], int):
                     config[key] = [config[key], config[key]]
+            if arch.startswith("swin_v2_"):
+                from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2
+
+                config.update(block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2)
             model = SwinTransformer(num_classes=num_classes, **config)
             model.image_size = image_size  # the configured input size (torchvision Swin accepts any)
             conv_path = "features.0.0"
@@ -256,13 +269,15 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
 
     Args:
         name: A timm name (``vit_*``, ``deit_*``, ``swin_*``, ``mixer_*``) or a torchvision name
-            (``vit_b_16`` ... ``vit_h_14``, ``swin_t/s/b``); ``timm:`` / ``torchvision:`` / ``tv:``
-            prefixes choose the library explicitly.
+            (``vit_b_16`` ... ``vit_h_14``, ``swin_t/s/b``, ``swin_v2_t/s/b``); ``timm:`` / ``torchvision:`` / ``tv:``
+            prefixes choose the library explicitly. ``hf:<model type | folder | hub id>`` builds a Hugging
+            Face ``transformers`` ViT / DINOv2 / Swin (optional extra, see :mod:`vitlab.models.hf_build`).
         num_classes: Classifier outputs.
         in_chans: Image channels (1 for grayscale). torchvision models repeat a grayscale channel.
         pretrained: Load the library's ImageNet weights (fails fast offline unless cached).
         weights: A local weights file (state dict, ``.safetensors`` or vitlab Lightning checkpoint);
-            takes precedence over ``pretrained``. Head and first conv are adapted as needed.
+            takes precedence over ``pretrained``. Head and first conv are adapted as needed. For ``hf:``
+            models also a ``save_pretrained`` folder.
         **kwargs: Passed to the constructor (e.g. ``img_size=32, embed_dim=32, depth=2`` for timm;
             ``image_size, patch_size, num_layers, hidden_dim ...`` for torchvision).
 
@@ -281,10 +296,17 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
         raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
     if weights is not None:
         weights = Path(weights).expanduser()
-        if not weights.is_file():
-            raise FileNotFoundError(f"weights file not found: {weights} (model.weights must be an existing file){_maker_hint(weights)}")
+        if not weights.is_file() and not (library == "hf" and weights.is_dir()):
+            raise FileNotFoundError(f"weights file not found: {weights} (model.weights must be an existing file, "
+                                    f"or a save_pretrained folder for hf: models){_maker_hint(weights)}")
         pretrained = False
-    if library == "timm":
+    if library == "hf":  # optional extra: transformers is imported only here
+        from vitlab.models.hf_build import build_hf
+
+        folder = weights if weights is not None and weights.is_dir() else None
+        model = build_hf(name, arch, num_classes, in_chans, pretrained, folder, dict(kwargs))
+        weights = None if folder is not None else weights
+    elif library == "timm":
         model = _build_timm(name, arch, num_classes, in_chans, pretrained, dict(kwargs))
     else:
         source = _torchvision_pretrained_file(name, arch) if pretrained else None

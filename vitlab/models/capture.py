@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Optional, Union
 
@@ -17,9 +17,9 @@ from vitlab.models.blockpatch import patch_block, release_block
 __all__ = ["CAPTURE_SITES", "Capture", "capture", "forward_until"]
 
 CAPTURE_SITES = {
-    "qkv_input": "norm1 output: the input of Q/K/V (or of the token-mixing MLP)",
-    "attn": "attention (token-mixing) branch output before the residual add; Swin un-windowed",
-    "mlp_input": "norm2 output: the MLP input",
+    "qkv_input": "norm1 output: the input of Q/K/V (or of the token-mixing MLP); post-norm Swin V2: the block input",
+    "attn": "attention (token-mixing) branch output before the residual add; Swin un-windowed; post-norm: after norm1",
+    "mlp_input": "norm2 output: the MLP input; post-norm Swin V2: the stream entering the MLP",
     "mlp_hidden": "MLP hidden layer after the activation",
     "mlp": "MLP branch output before the residual add",
     "resid": "residual stream after the block",
@@ -66,8 +66,10 @@ class Capture:
         grids: Token grid (H, W) per block name (from the runtime shapes).
     """
 
-    def __init__(self, views: list[BlockView], sites: list[str], to_cpu: bool, dtype: Optional[torch.dtype]):
+    def __init__(self, views: list[BlockView], sites: list[str], to_cpu: bool, dtype: Optional[torch.dtype],
+                 channels: Optional[Mapping[tuple[str, str], Tensor]] = None):
         self.views = {view.name: view for view in views}
+        self._channels = dict(channels or {})
         self.sites = sites
         self.grids: dict[str, tuple[int, int]] = {view.name: view.grid for view in views}
         self._to_cpu, self._dtype = to_cpu, dtype
@@ -81,6 +83,8 @@ class Capture:
             tensor = tensor.detach()
             self.grids[view.name] = _grid_of(tensor, view)
             tokens = _as_tokens(tensor)  # (B, N, C)
+            if key in self._channels:  # keep only these channels (before the copy: less memory)
+                tokens = tokens.index_select(-1, self._channels[key].to(tokens.device))
             tokens = tokens.to(device="cpu" if self._to_cpu else tokens.device, dtype=self._dtype or tokens.dtype)
             if prefix and tensor.ndim == 3:
                 self._prefix_chunks.setdefault(key, []).append(tokens[:, :prefix])
@@ -120,7 +124,8 @@ class Capture:
 @contextmanager
 def capture(model: nn.Module, sites: Union[str, Iterable[str]],
             blocks: Optional[Union[BlockRef, Iterable[BlockRef]]] = None, to_cpu: bool = True,
-            dtype: Optional[torch.dtype] = None) -> Iterator[Capture]:
+            dtype: Optional[torch.dtype] = None,
+            channels: Optional[Mapping[tuple[str, str], Tensor]] = None) -> Iterator[Capture]:
     """Records the named sub-layer outputs of the chosen blocks during the forwards inside the context.
 
     Sites (see :data:`CAPTURE_SITES`): ``qkv_input``, ``attn`` (alias ``token_mixing``; MLP-Mixer: the
@@ -133,6 +138,8 @@ def capture(model: nn.Module, sites: Union[str, Iterable[str]],
         blocks: Global indices or names; None = all blocks.
         to_cpu: Move captured tensors to the CPU as they arrive.
         dtype: Store in this dtype (e.g. ``torch.float16`` to halve memory); None keeps the model's.
+        channels: ``{(block name, site): channel indices}``: store only these channels of those outputs
+            (the others are dropped as they arrive; probes that need a few channels stay small).
 
     Yields:
         A :class:`Capture` (``.outputs``, ``.prefix``, ``.grids``, ``capture[name, site]``).
@@ -141,7 +148,7 @@ def capture(model: nn.Module, sites: Union[str, Iterable[str]],
     adapter = get_adapter(model)
     sites = _valid_sites(sites)
     views = select_blocks(model, blocks)
-    record = Capture(views, sites, to_cpu, dtype)
+    record = Capture(views, sites, to_cpu, dtype, channels)
     with ExitStack() as stack:
         for view in views:
             block = view.module
@@ -169,7 +176,7 @@ class _StopForward(Exception):
 
 
 def _raise_output(module: nn.Module, args: tuple, output: Tensor) -> None:
-    raise _StopForward(output)
+    raise _StopForward(output[0] if isinstance(output, tuple) else output)  # HF Swin: (stream, weights)
 
 
 def _raise_input(module: nn.Module, args: tuple) -> None:

@@ -62,6 +62,9 @@ def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: Optiona
     ``lr_scale = layer_decay ** (num_layers - layer_id)`` (``num_layers = num_blocks + 1``, see
     :func:`layer_ids`); multiply the group's lr by it (timm's schedulers do this themselves).
 
+    A detector / segmenter (a model with ``vitlab_backbone()``) gets its backbone's groups, and its other
+    parameters (pyramid, heads) join them as the last layer.
+
     Args:
         model: A supported model.
         weight_decay: Decay for the decayed groups.
@@ -71,6 +74,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: Optiona
         Groups ``{"params", "weight_decay", "name"[, "lr_scale", "layer_id"]}`` for ``torch.optim``
         (``name`` is what Lightning's LearningRateMonitor shows).
     """
+    outer = getattr(model, "_orig_mod", model)
     model = unwrap_model(model)
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
@@ -80,11 +84,13 @@ def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: Optiona
     ids = layer_ids(model) if layer_decay is not None else {}
     num_layers = len(_block_prefixes(model)) + 1
     groups: dict[tuple[int, bool], dict] = {}
-    for name, param in model.named_parameters():
+    inside = {id(param) for param in model.parameters()}  # a task model's heads join the last layer
+    heads = [(name, param) for name, param in outer.named_parameters() if id(param) not in inside]
+    for name, param in [*model.named_parameters(), *heads]:
         if not param.requires_grad:
             continue
         no_decay = _no_decay(name, param.ndim, extra)
-        layer = ids.get(name, -1)
+        layer = ids.get(name, num_layers if layer_decay is not None and id(param) not in inside else -1)
         key = (layer, no_decay)
         if key not in groups:
             kind = "no_decay" if no_decay else "decay"

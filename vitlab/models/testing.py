@@ -29,6 +29,19 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "torchvision-swin": ("torchvision:swin_t",
                          dict(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[1, 2],
                               window_size=4)),
+    "timm-swinv2": ("swinv2_tiny_window8_256",
+                    dict(img_size=32, embed_dim=16, depths=(2, 2), num_heads=(1, 2), window_size=4)),
+    "timm-swinv2-cr": ("swinv2_cr_tiny_224",
+                       dict(img_size=32, embed_dim=16, depths=(2, 2), num_heads=(1, 2), window_size=4)),
+    "torchvision-swinv2": ("torchvision:swin_v2_t",
+                           dict(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[1, 2],
+                                window_size=4)),
+    "timm-eva": ("eva02_tiny_patch14_224",
+                 dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
+    "timm-beit": ("beit_base_patch16_224",
+                  dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
+    "timm-vit-relpos": ("vit_relpos_small_patch16_224",
+                        dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
 }
 
 

@@ -61,6 +61,10 @@ class TimmViTAdapter(_TimmPlainBlocks):
 
     family = "timm-vit"
     description = "timm VisionTransformer (vit_*, deit_*)"
+    library = "timm"
+    classes = "VisionTransformer"
+    examples = "`vit_base_patch16_224`, `deit3_small_patch16_224`, `vit_small_patch14_dinov2`, `vit_large_patch16_224` with `init_values`"
+    notes = "class / register tokens, LayerScale; recording switches to the explicit (non-fused) attention path"
     part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
     input_conv = "patch_embed.proj"
 
@@ -131,6 +135,10 @@ class TimmMixerAdapter(_TimmPlainBlocks):
 
     family = "timm-mixer"
     description = "timm MLP-Mixer (mixer_*)"
+    library = "timm"
+    classes = "MlpMixer"
+    examples = "`mixer_s16_224`, `mixer_b16_224`"
+    supports = "blocks, capture, ablate (`token_mixing` instead of `attention`), transplant, forward_until; no attention"
     mixer_name = "token_mixing"
     part_names = {"norm1": "norm1", "mixer": "mlp_tokens", "norm2": "norm2", "mlp": "mlp_channels"}
     input_conv = "stem.proj"
@@ -179,6 +187,10 @@ class TimmSwinAdapter(FamilyAdapter):
 
     family = "timm-swin"
     description = "timm SwinTransformer (swin_*)"
+    library = "timm"
+    classes = "SwinTransformer"
+    examples = "`swin_tiny_patch4_window7_224`, `swin_base_patch4_window12_384`"
+    notes = "shifted windows (`AttentionRecord.dense` scatters them to token order); rel-pos table in `BlockView`"
     part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
     input_conv = "patch_embed.proj"
 

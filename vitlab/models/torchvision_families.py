@@ -1,9 +1,10 @@
-"""Adapters for torchvision's ``VisionTransformer`` and ``SwinTransformer`` (v1: swin_t/s/b)."""
+"""Adapters for torchvision's ``VisionTransformer`` and ``SwinTransformer`` (v1: swin_t/s/b; v2: swin_v2_t/s/b)."""
 
 from __future__ import annotations
 
 import types
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable, Iterator, Optional
 
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from torchvision.models import vision_transformer as tv_vit
 
 from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
 
-__all__ = ["TorchvisionSwinAdapter", "TorchvisionViTAdapter"]
+__all__ = ["TorchvisionSwinAdapter", "TorchvisionSwinV2Adapter", "TorchvisionViTAdapter"]
 
 DEFAULT_IMAGE_SIZE = 224
 
@@ -25,6 +26,10 @@ class TorchvisionViTAdapter(FamilyAdapter):
 
     family = "torchvision-vit"
     description = "torchvision VisionTransformer (vit_b_16, vit_b_32, vit_l_16, vit_l_32, vit_h_14)"
+    library = "torchvision"
+    classes = "VisionTransformer"
+    examples = "`vit_b_16`, `vit_l_16`, `vit_h_14`"
+    notes = "per-head weights asked from `nn.MultiheadAttention` while recording; grayscale input repeats the channel"
     part_names = {"norm1": "ln_1", "mixer": "self_attention", "norm2": "ln_2", "mlp": "mlp"}
     input_conv = "conv_proj"
     mlp_act_name = "1"
@@ -130,6 +135,10 @@ class TorchvisionSwinAdapter(FamilyAdapter):
 
     family = "torchvision-swin"
     description = "torchvision SwinTransformer v1 (swin_t, swin_s, swin_b)"
+    library = "torchvision"
+    classes = "SwinTransformer (v1 blocks)"
+    examples = "`swin_t`, `swin_s`, `swin_b`"
+    notes = "shifted windows as timm Swin; grayscale input repeats the channel"
     part_names = {"norm1": "norm1", "mixer": "attn", "norm2": "norm2", "mlp": "mlp"}
     input_conv = "features.0.0"
     mlp_act_name = "1"
@@ -160,7 +169,8 @@ class TorchvisionSwinAdapter(FamilyAdapter):
                     module=block, qualname=f"features.{position}.{index}", dim=attn.qkv.in_features,
                     num_heads=attn.num_heads, head_dim=attn.qkv.in_features // attn.num_heads,
                     has_attention=True, window_size=window, shift_size=shift,
-                    rel_pos_table=attn.relative_position_bias_table, grid=grid, num_prefix_tokens=0,
+                    rel_pos_table=getattr(attn, "relative_position_bias_table", None), grid=grid,
+                    num_prefix_tokens=0,
                 ))
                 global_index += 1
         return views
@@ -218,3 +228,47 @@ class TorchvisionSwinAdapter(FamilyAdapter):
                 entries[f"features.{position - 1}."] = first_block
             first_block += len(blocks)
         return entries
+
+
+@register_adapter
+class TorchvisionSwinV2Adapter(TorchvisionSwinAdapter):
+    """torchvision ``SwinTransformer`` with ``SwinTransformerBlockV2`` (swin_v2_t/s/b): res-post-norm
+    blocks, cosine attention with a learned logit scale and a 16 sigmoid(CPB MLP) position bias.
+
+    torchvision zeroes the K third of ``qkv.bias`` inside the attention: :meth:`qkv_projection` returns
+    that effective bias (a copy with a zero K part), while the weight stays a live view.
+    """
+
+    family = "torchvision-swinv2"
+    description = "torchvision SwinTransformer v2 (swin_v2_t, swin_v2_s, swin_v2_b)"
+    classes = "SwinTransformer (SwinTransformerBlockV2)"
+    examples = "`swin_v2_t`, `swin_v2_s`, `swin_v2_b`"
+    notes = ("res-post-norm; attention = cosine with logit scale + 16·sigmoid(CPB MLP) bias, "
+                "K bias zeroed as torchvision does; QKSpectra: spectra of Wq^T Wk (un-normalised q·k)")
+    norm_placement = "post"
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        if not isinstance(model, tv_swin.SwinTransformer):
+            return False
+        blocks = [block for _, stage in _tv_swin_stages(model) for block in stage]
+        return bool(blocks) and all(type(block) is tv_swin.SwinTransformerBlockV2
+                                    and type(block.attn) is tv_swin.ShiftedWindowAttentionV2 for block in blocks)
+
+    def block_views(self, model: nn.Module) -> list[BlockView]:
+        return [replace(view, attention_form="cosine") for view in super().block_views(model)]
+
+    def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+        qkv = block.attn.qkv
+        if qkv.bias is None:
+            return qkv.weight, None
+        bias = qkv.bias.clone()
+        width = bias.numel() // 3
+        bias[width:2 * width] = 0.0
+        return qkv.weight, bias
+
+    def mixer_branch(self, block: nn.Module, h: Tensor, norm: Callable[[Tensor], Tensor], **kwargs) -> Tensor:
+        return block.stochastic_depth(norm(block.attn(h)))
+
+    def mlp_branch(self, block: nn.Module, h: Tensor, norm: Callable[[Tensor], Tensor]) -> Tensor:
+        return block.stochastic_depth(norm(block.mlp(h)))

@@ -16,7 +16,7 @@ __all__ = ["LoadReport", "WeightsMismatchError", "load_weights", "read_state_dic
 
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors")
 _CONTAINER_KEYS = ("state_dict", "model", "module", "model_state_dict")
-_WRAPPER_PREFIXES = ("model.", "module.", "_orig_mod.")
+_WRAPPER_PREFIXES = ("model.", "module.", "_orig_mod.", "backbone.body.")  # last: a detector's / segmenter's backbone
 _SHOWN_KEYS = 3
 
 

@@ -1,4 +1,4 @@
-"""probe.py ablate (= ``probe.py --ablate X``): seed 003's ablation survey by representation inversion."""
+"""probe.py ablate (= ``probe.py --ablate X``): the Attentionless article's ablation survey by representation inversion."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vitlab.probes.common import ImageBatch, ProbeContext, add_common_arguments,
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
 from vitlab.tblog import write_csv
 
-HELP = """Ablation survey (seed 003): invert each layer of the intact and of the ablated model, side by side.
+HELP = """Ablation survey (Attentionless article): invert each layer of the intact and of the ablated model, side by side.
 
 --ablate removes a component from the --blocks (default all): residual, layernorm, attention, mlp, or the finer
 residual_attention, residual_mlp, norm1, norm2 (MLP-Mixer: token_mixing, residual_token_mixing). Repeat --ablate to

@@ -65,7 +65,7 @@ class Recorded:
 
 def record_batches(
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | Iterable[torch.Tensor],
     sites: Iterable[str],
     blocks: list[BlockView],
     batch_size: int,
@@ -73,19 +73,24 @@ def record_batches(
     desc: str,
     dtype: torch.dtype | None = None,
     attention: bool = False,
+    channels: dict[tuple[str, str], torch.Tensor] | None = None,
+    total: int | None = None,
 ) -> Iterator[Recorded]:
     """Run the model over ``inputs`` a batch at a time and yield what was recorded for each batch.
 
     Args:
         model: The model (eval mode, on ``device``).
-        inputs: (N, C, H, W) normalised images (CPU).
+        inputs: (N, C, H, W) normalised images (CPU), or an iterable of such batches (streamed: e.g.
+            :meth:`vitlab.probes.common.ImageStream.batches`, so that the N images are never all in memory).
         sites: :data:`vitlab.models.CAPTURE_SITES` names to capture.
         blocks: The blocks to record.
-        batch_size: Images per forward pass.
+        batch_size: Images per forward pass (a tensor ``inputs`` is cut into such batches).
         device: Where the model runs.
         desc: Progress-bar label.
         dtype: Storage dtype of the captured outputs (e.g. ``torch.float16``); None keeps the model's.
         attention: Also record post-softmax attention (models with attention only).
+        channels: ``{(block, site): channel ids}`` to keep of those outputs (see :func:`vitlab.models.capture`).
+        total: Number of images of streamed ``inputs`` (for the progress bar).
 
     Yields:
         :class:`Recorded` per batch; captured tensors are on the CPU.
@@ -93,14 +98,20 @@ def record_batches(
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     names = [view.name for view in blocks]
-    total = inputs.shape[0]
-    for start in progress(range(0, total, batch_size), desc, total=-(-total // batch_size)):
-        x = inputs[start : start + batch_size].to(device)  # (b, C, H, W)
+    if isinstance(inputs, torch.Tensor):
+        total = inputs.shape[0]
+        batches: Iterable[torch.Tensor] = (inputs[start : start + batch_size] for start in range(0, total, batch_size))
+    else:
+        batches = inputs
+    start = 0
+    for batch in progress(batches, desc, total=-(-total // batch_size) if total else None):
+        x = batch.to(device)  # (b, C, H, W)
         with ExitStack() as stack, torch.no_grad():
             rec = stack.enter_context(models.record_attention(model, names, to_cpu=True)) if attention else None
-            cap = stack.enter_context(models.capture(model, list(sites), names, to_cpu=True, dtype=dtype))
+            cap = stack.enter_context(models.capture(model, list(sites), names, to_cpu=True, dtype=dtype, channels=channels))
             model(x)
         yield Recorded(start, cap, rec)
+        start += x.shape[0]
 
 
 def block_label(view: BlockView) -> str:

@@ -1,4 +1,4 @@
-"""probe.py attention: attention maps per block and head, attention rollout, attention vs patch angle (seed 002)."""
+"""probe.py attention: attention maps per block and head, attention rollout, attention vs patch angle (Philip et al.)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vitlab.probes.common import add_common_arguments
 from vitlab.tbimage import hstack_panels, vstack_panels
 from vitlab.tblog import heatmap_figure, write_csv
 
-HELP = """Attention maps per block and head on the image, attention rollout, and attention vs patch angle (seed 002).
+HELP = """Attention maps per block and head on the image, attention rollout, and attention vs patch angle (Philip et al.).
 
 Maps: the class token's attention to the patches (models without one, e.g. Swin via its dense token x token
 form: the attention each patch receives, averaged over queries), overlaid on the first --show images.

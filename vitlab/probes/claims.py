@@ -18,7 +18,7 @@ from vitlab.tblog import write_json
 HELP = """Report which claims of seeds 000, 002 and 003 hold on a finished run: claims.md + claims.json.
 
 Reads the run's Q/K/V snapshots (qkv/epoch_*.safetensors: the first vs the last epoch for drift, the last one for
-the QK spectra), and for seed 003 the best val/balanced_acc of ablation runs (their event files and config.yaml).
+the QK spectra), and for the Attentionless article the best val/balanced_acc of ablation runs (their event files and config.yaml).
 With --reference RUN_A --finetuned RUN_B it compares RUN_A's last snapshot (e.g. a DINO pretraining) with RUN_B's
 last snapshot; each of them may also be a snapshot file.
 
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--run", type=Path, default=None, help="a run folder runs/<name>/<version> (its first vs last snapshot)")
     src.add_argument("--reference", type=Path, default=None, help="with --finetuned: the run (or snapshot) before fine-tuning")
     src.add_argument("--finetuned", type=Path, default=None, help="with --reference: the run (or snapshot) after fine-tuning")
-    src.add_argument("--ablation-run", type=Path, action="append", default=[], help="an ablation run folder (repeatable) for seed 003")
+    src.add_argument("--ablation-run", type=Path, action="append", default=[], help="an ablation run folder (repeatable) for the Attentionless article claims")
     src.add_argument("--permutations", type=int, default=999, help="permutations of the 000-d head-cluster null (default 999)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output folder (default runs/probe-claims-<run name>/)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +70,7 @@ class LoadedModel:
     build: dict[str, Any] = field(default_factory=dict)  # build_model arguments (to make a fresh copy)
     data: dict[str, Any] | None = None  # the training config's data section, when known
     class_names: list[str] | None = None  # names of the head's outputs, when the checkpoint knows them
+    run: str | None = None  # "<name>-<version>" when the checkpoint lives in a run folder (names the output folder)
 
     def fresh(self, seed: int = 0) -> nn.Module:
         """An untrained model of the same architecture (for transplant / untrained baselines)."""
@@ -116,11 +117,15 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         run_config = Path(checkpoint).resolve().parent.parent / "config.yaml"  # runs/<name>/<version>/checkpoints/x.ckpt
         if data is None and Path(checkpoint).resolve().parent.name == "checkpoints" and run_config.is_file():
             data = _read_config(run_config).get("data") or {}  # images default to the run's own data
-        build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
+        kwargs = dict(hp.get("model_kwargs") or {})
+        if "image_size" in hp and "img_size" not in kwargs:  # a detector / segmenter: probe its backbone
+            kwargs["img_size"] = hp["image_size"]
+        build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **kwargs)
         model = models.build_model(**build)
         models.load_weights(model, state)
         names = hp.get("class_names")
-        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data, list(names) if names else None)
+        return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data,
+                           list(names) if names else None, run_label(Path(checkpoint)))
     if name is None:
         raise ValueError(f"no model given: use {flag}checkpoint PATH.ckpt, {flag}config RUN/config.yaml or {flag}model NAME [{flag}pretrained | {flag}weights FILE]")
     kwargs = json.loads(get("model_kwargs")) if get("model_kwargs") else {}
@@ -128,8 +133,34 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         raise ValueError(f"{flag}model-kwargs must be a JSON object, got {get('model_kwargs')!r}")
     build = dict(name=name, num_classes=get("num_classes") or (1000 if get("pretrained") else 2), in_chans=get("in_chans") or 3,
                  pretrained=bool(get("pretrained")), weights=str(get("weights")) if get("weights") else None, **kwargs)
-    model = models.build_model(**build)
+    try:
+        model = models.build_model(**build)
+    except models.PretrainedWeightsUnavailable as err:
+        reason = getattr(err, "reason", None) or str(err)
+        raise models.PretrainedWeightsUnavailable(
+            f"{flag}pretrained: weights for {name!r} are not available ({reason}); pass {flag}weights FILE "
+            f"(a timm/torchvision state_dict, .safetensors file or vitlab checkpoint) instead, or drop {flag}pretrained "
+            "to probe an untrained model") from None
     return LoadedModel(_prepare(model, None, device), name, str(get("weights") or ("pretrained" if get("pretrained") else "untrained")), build, data)
+
+
+def run_label(checkpoint: Path) -> str | None:
+    """``runs/quickstart/version_0/checkpoints/last.ckpt`` -> ``"quickstart-version_0"`` (None outside a run folder)."""
+    path = Path(checkpoint).resolve()
+    if path.parent.name != "checkpoints" or not (path.parent.parent / "config.yaml").is_file():
+        return None
+    version = path.parent.parent
+    return f"{version.parent.name}-{version.name}"
+
+
+def newest_checkpoint(runs: Path = Path("runs")) -> Path:
+    """The newest ``runs/**/checkpoints/last.ckpt`` by modification time (the default model of every probe)."""
+    found = sorted(Path(runs).glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime) if Path(runs).is_dir() else []
+    if not found:
+        raise FileNotFoundError(
+            f"no model given and no trained run in {runs}/ (no {runs}/**/checkpoints/last.ckpt): train one first with "
+            "`python train.py --config configs/quickstart.yaml`, or name a model with --checkpoint, --config or --model")
+    return found[-1]
 
 
 def _prepare(model: nn.Module, ablate: dict[str, Any] | None, device: str) -> nn.Module:
@@ -177,6 +208,39 @@ class ImageBatch:
 
 def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageBatch:
     """Images from --images, else the split of --config's data section, else of the embedded dataset."""
+    stream = image_stream(args, loaded, default_count, split)
+    items = [stream.read(i) for i in range(stream.count)]
+    pixels = torch.stack([pixel for pixel, _, _ in items])
+    labels = torch.tensor([label for _, label, _ in items]) if stream.labelled else None
+    return _finish(pixels, labels, [name for _, _, name in items], stream.class_names, stream.mean, stream.std)
+
+
+@dataclass
+class ImageStream:
+    """The probe images of :func:`load_images`, read on demand: memory holds one batch, not all N images."""
+
+    count: int
+    read: Callable[[int], tuple[torch.Tensor, int | None, str]]  # i -> ((C, H, W) pixels in [0, 1], label, name)
+    mean: list[float]
+    std: list[float]
+    labelled: bool
+    class_names: list[str] | None = None
+
+    def pixel_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(b, C, H, W) pixels in [0, 1] and (b,) labels (None when unlabelled), in order."""
+        for start in range(0, self.count, batch_size):
+            items = [self.read(i) for i in range(start, min(start + batch_size, self.count))]
+            labels = torch.tensor([label for _, label, _ in items]) if self.labelled else None
+            yield torch.stack([pixel for pixel, _, _ in items]), labels
+
+    def batches(self, batch_size: int) -> Iterator[torch.Tensor]:
+        """Normalised model inputs (b, C, H, W), the same values as ``load_images(...).inputs``, in order."""
+        for pixels, _ in self.pixel_batches(batch_size):
+            yield _finish(pixels, None, [], None, self.mean, self.std).inputs
+
+
+def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageStream:
+    """The images :func:`load_images` would return, as a stream (the files are listed, not read)."""
     from vitlab.data import MedicalDataModule, read_image
 
     in_chans, height, width = models.input_size(loaded.model)
@@ -185,32 +249,22 @@ def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: in
     if count < 1:
         raise ValueError(f"--num-images must be >= 1, got {count}")
     split = split or args.split
-    labels = None
-    class_names = None
     if args.images:
-        files = _expand_images(args.images)
-        arrays = [read_image(f) for f in files[:count]]
-        names = [str(f) for f in files[:count]]
-    else:
-        dm = MedicalDataModule(**{**_datamodule_args(loaded.data or {}), "in_chans": in_chans, "image_size": height, "augment": "none", "num_workers": 0, "mean": [0.0] * in_chans, "std": [1.0] * in_chans})
-        samples = dm.samples(split)
-        if not samples:
-            raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
-        generator = torch.Generator().manual_seed(args.seed)
-        order = torch.randperm(len(samples), generator=generator)[:count].tolist()
-        dataset = dm.dataset(split)
-        pixels, label_list = [], []
-        for i in order:
-            image, label = dataset[i]
-            pixels.append(image)
-            label_list.append(int(label))
-        names = [str(samples[i].path) for i in order]
-        batch = torch.stack(pixels).float()
-        labels = torch.tensor(label_list)
-        class_names = dm.class_names
-        return _finish(batch.clamp(0, 1), labels, names, class_names, mean, std)
-    batch = torch.stack([_to_tensor(a, in_chans, height, width) for a in arrays])
-    return _finish(batch, labels, names, class_names, mean, std)
+        files = _expand_images(args.images)[:count]
+        return ImageStream(len(files), lambda i: (_to_tensor(read_image(files[i]), in_chans, height, width), None, str(files[i])), mean, std, False)
+    dm = MedicalDataModule(**{**_datamodule_args(loaded.data or {}), "in_chans": in_chans, "image_size": height, "augment": "none", "num_workers": 0, "mean": [0.0] * in_chans, "std": [1.0] * in_chans})
+    samples = dm.samples(split)
+    if not samples:
+        raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(samples), generator=generator)[:count].tolist()
+    dataset = dm.dataset(split)
+
+    def read(i: int) -> tuple[torch.Tensor, int, str]:
+        image, label = dataset[order[i]]
+        return image.float().clamp(0, 1), int(label), str(samples[order[i]].path)
+
+    return ImageStream(len(order), read, mean, std, True, dm.class_names)
 
 
 def _finish(pixels, labels, names, class_names, mean, std) -> ImageBatch:
@@ -233,7 +287,8 @@ def _expand_images(paths: list[str]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+                            and "masks" not in f.relative_to(p).parts[:-1])  # label maps (vitlab.data.dense) are not images
         elif p.is_file():
             files.append(p)
         else:
@@ -287,6 +342,10 @@ class ProbeContext:
     def images(self, default_count: int, split: str | None = None) -> ImageBatch:
         assert self.loaded is not None
         return load_images(self.args, self.loaded, default_count, split)
+
+    def image_stream(self, default_count: int, split: str | None = None) -> ImageStream:
+        assert self.loaded is not None
+        return image_stream(self.args, self.loaded, default_count, split)
 
     def load_second_model(self, prefix: str) -> LoadedModel:
         return load_model(self.args, prefix=prefix, device=str(self.device))

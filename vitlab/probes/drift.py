@@ -1,8 +1,9 @@
-"""probe.py drift: seed 000's Q/K/V comparison of two weight sets, without re-training."""
+"""probe.py drift: the Drotos poster's Q/K/V comparison of two weight sets, without re-training."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,10 +12,10 @@ import torch
 from vitlab.callbacks._state import MATRICES, block_stage, head_counts, load_snapshot, qkv_state
 from vitlab.callbacks.drift import drift_layout, report_drift
 from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout
-from vitlab.probes.common import add_model_arguments, load_model
+from vitlab.probes.common import add_model_arguments, load_model, newest_checkpoint, run_label
 from vitlab.tblog import write_csv
 
-HELP = """Compare the Q/K/V weights of two checkpoints (seed 000): per-row cosine distance, Euclidean, MSE, dot.
+HELP = """Compare the Q/K/V weights of two checkpoints (Drotos poster): per-row cosine distance, Euclidean, MSE, dot.
 
 Each of --reference / --finetuned is a vitlab checkpoint (.ckpt), a Q/K/V snapshot (runs/.../qkv/epoch_000.safetensors)
 or a weights file of the --model architecture. Writes TensorBoard scalars, heatmaps, histograms, spectra and drift.csv.
@@ -28,8 +29,8 @@ SUMMARY_METRICS = ("cosine_distance", "euclidean", "mse", "dot", "rel_frobenius"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reference", type=Path, required=True, help="the weights before fine-tuning")
-    parser.add_argument("--finetuned", type=Path, required=True, help="the weights after fine-tuning")
+    parser.add_argument("--reference", type=Path, default=None, help="the weights before fine-tuning (default: the --finetuned run's qkv/epoch_000.safetensors)")
+    parser.add_argument("--finetuned", type=Path, default=None, help="the weights after fine-tuning (default: the newest runs/**/checkpoints/last.ckpt)")
     group = parser.add_argument_group("architecture, for plain weight files")
     add_model_arguments(group)
     out = parser.add_argument_group("output")
@@ -39,8 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--device", default="cpu")
 
 
+def fill_defaults(args: argparse.Namespace) -> None:
+    """No --finetuned: the newest run's last.ckpt; no --reference: that run's epoch-0 Q/K/V snapshot."""
+    if args.finetuned is None:
+        args.finetuned = newest_checkpoint()
+        print(f"probe.py drift: no --finetuned given, using the newest run's checkpoint {args.finetuned}", file=sys.stderr)
+    if args.reference is None:
+        snapshot = Path(args.finetuned).resolve().parent.parent / "qkv" / "epoch_000.safetensors"
+        if Path(args.finetuned).resolve().parent.name != "checkpoints" or not snapshot.is_file():
+            raise ValueError(f"--reference missing: {args.finetuned} has no run folder with qkv/epoch_000.safetensors; "
+                             "give the weights before fine-tuning with --reference")
+        args.reference = snapshot
+        print(f"probe.py drift: reference = the run's epoch-0 snapshot {snapshot}", file=sys.stderr)
+
+
 def out_name(args: argparse.Namespace, loaded) -> str:
-    return Path(args.finetuned).stem
+    return run_label(Path(args.finetuned)) or Path(args.finetuned).stem
 
 
 def read_qkv(path: Path, args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

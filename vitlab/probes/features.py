@@ -1,4 +1,4 @@
-"""probe.py features: k-NN / linear accuracy of each block's frozen features, and CKA between two models (seed 001)."""
+"""probe.py features: k-NN / linear accuracy of each block's frozen features, and CKA between two models (Veta lecture)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vitlab.probes.activations import add_recording_arguments, record_batches, s
 from vitlab.probes.common import LoadedModel, add_common_arguments, add_model_arguments
 from vitlab.tblog import write_csv
 
-HELP = """Layer-wise frozen-feature evaluation (seed 001's k-NN / linear table, per depth) and CKA between two models.
+HELP = """Layer-wise frozen-feature evaluation (the Veta lecture's k-NN / linear table, per depth) and CKA between two models.
 
 Each block's output is pooled (class token, or the token mean without one) on the data's train split and the
 evaluation split (--split, default val); a k-NN (cosine, k = 20) and a logistic-regression classifier fitted on
@@ -66,25 +66,25 @@ def run(ctx) -> None:
         check_same_architecture(ctx.loaded, second)
         compared.append(("second", second))
     views = selected_blocks(ctx.model, args.blocks)
-    train, test = ctx.images(DEFAULT_IMAGES, split="train"), ctx.images(DEFAULT_IMAGES)
-    if train.labels is None or test.labels is None:
+    train, test = ctx.image_stream(DEFAULT_IMAGES, split="train"), ctx.image_stream(DEFAULT_IMAGES)  # read a batch at a time
+    if not train.labelled or not test.labelled:
         raise ValueError("probe.py features: the images carry no labels; use the embedded dataset or --config with a labelled data section")
 
     rows: list[dict[str, object]] = []
     feats: dict[str, Features] = {}
     for label, loaded in compared:
-        train_f = extract(ctx, loaded.model, train.pixels, views, f"features: {label} train", 0)
-        test_f = extract(ctx, loaded.model, test.pixels, views, f"features: {label} {args.split}", args.cka_images if second else 0)
+        train_f, train_labels = extract(ctx, loaded.model, train, views, f"features: {label} train", 0)
+        test_f, test_labels = extract(ctx, loaded.model, test, views, f"features: {label} {args.split}", args.cka_images if second else 0)
         feats[label] = test_f
         for view in views:
-            knn = knn_probe(train_f.pooled[view.name], train.labels, test_f.pooled[view.name], test.labels, k=args.knn_k)
+            knn = knn_probe(train_f.pooled[view.name], train_labels, test_f.pooled[view.name], test_labels, k=args.knn_k)
             try:
-                linear = linear_probe(train_f.pooled[view.name], train.labels, test_f.pooled[view.name], test.labels, c=args.linear_c)
+                linear = linear_probe(train_f.pooled[view.name], train_labels, test_f.pooled[view.name], test_labels, c=args.linear_c)
             except ValueError as err:
                 raise ValueError(f"probe.py features: the train split cannot fit a classifier ({err})") from None
             rows.append({"model": label, "source": loaded.source, "layer": view.name, "block_index": view.global_index, "pool": pool_name(view, args.pool),
                          "knn_accuracy": knn.accuracy, "knn_balanced_accuracy": knn.balanced_accuracy, "linear_accuracy": linear.accuracy,
-                         "linear_balanced_accuracy": linear.balanced_accuracy, "n_train": len(train.labels), "n_eval": len(test.labels)})
+                         "linear_balanced_accuracy": linear.balanced_accuracy, "n_train": len(train_labels), "n_eval": len(test_labels)})
             for key in ("knn_accuracy", "linear_accuracy"):
                 ctx.writer.add_scalar(f"features/{key}/{label}", rows[-1][key], view.global_index)
             write_csv(ctx.out / "features.csv", rows)  # per block: an interrupted run keeps what is finished
@@ -129,13 +129,20 @@ def pool_name(view, pool: str) -> str:
     return "cls" if pool == "cls" or (pool == "auto" and view.num_prefix_tokens) else "mean"
 
 
-def extract(ctx, model: torch.nn.Module, pixels: torch.Tensor, views, desc: str, token_images: int) -> Features:
-    """Pooled block outputs of all images and the tokens of the first ``token_images`` (model's own normalisation)."""
+def extract(ctx, model: torch.nn.Module, images, views, desc: str, token_images: int) -> tuple[Features, torch.Tensor]:
+    """Pooled block outputs of all images of the stream and the tokens of the first ``token_images`` (model's own
+    normalisation), and the images' labels; only one batch of images is in memory at a time."""
     mean, std = models.normalization(model)
-    inputs = (pixels - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)  # (N, C, H, W)
+    labels: list[torch.Tensor] = []
+
+    def inputs():
+        for pixels, batch_labels in images.pixel_batches(ctx.args.batch_size):
+            labels.append(batch_labels)
+            yield (pixels - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)  # (b, C, H, W)
+
     pooled: dict[str, list[torch.Tensor]] = {view.name: [] for view in views}
     tokens: dict[str, list[torch.Tensor]] = {view.name: [] for view in views}
-    for rec in record_batches(model, inputs, ["resid"], views, ctx.args.batch_size, ctx.device, desc):
+    for rec in record_batches(model, inputs(), ["resid"], views, ctx.args.batch_size, ctx.device, desc, total=images.count):
         prefix = rec.capture.prefix
         for view in views:
             patch = rec.capture[view.name, "resid"]  # (b, T, C)
@@ -143,7 +150,7 @@ def extract(ctx, model: torch.nn.Module, pixels: torch.Tensor, views, desc: str,
             pooled[view.name].append((prefix[view.name]["resid"][:, 0] if use_cls else patch.mean(1)).float())  # (b, C)
             if rec.start < token_images:
                 tokens[view.name].append(patch[: token_images - rec.start].half())
-    return Features({k: torch.cat(v) for k, v in pooled.items()}, {k: torch.cat(v) for k, v in tokens.items() if v})
+    return Features({k: torch.cat(v) for k, v in pooled.items()}, {k: torch.cat(v) for k, v in tokens.items() if v}), torch.cat(labels)
 
 
 def compare(ctx, views, first: Features, second: Features) -> list[dict[str, object]]:

@@ -1,4 +1,4 @@
-"""probe.py filters: patch-embedding filters, their PCA and the position-embedding similarity (seed 003)."""
+"""probe.py filters: patch-embedding filters, their PCA and the position-embedding similarity (Attentionless article)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from vitlab.probes.invert import enlarge
 from vitlab.tbimage import colorize, hstack_panels, image_grid
 from vitlab.tblog import write_csv, write_json
 
-HELP = """Patch-embedding filters (min-max grid, top PCA components) and position-embedding similarity (seed 003).
+HELP = """Patch-embedding filters (min-max grid, top PCA components) and position-embedding similarity (Attentionless article).
 
 Each filter is scaled by its own min and max; the PCA runs over the (filters, C*P*P) matrix; the position grid shows,
 at each patch, the cosine similarity of its position embedding to all others. --compare puts a second model beside

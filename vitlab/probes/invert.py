@@ -1,4 +1,4 @@
-"""probe.py invert: layer representation inversion (seed 003), and the survey shared by ablate / transplant.
+"""probe.py invert: layer representation inversion (Attentionless article), and the survey shared by ablate / transplant.
 
 A *survey* inverts the same images through several model variants (intact / ablated / transplanted) at
 each chosen layer and writes, per layer as it finishes: an image grid (rows: images; columns: original, then
@@ -27,7 +27,7 @@ from vitlab.probes.common import ImageBatch, ProbeContext, add_common_arguments,
 from vitlab.tbimage import image_grid
 from vitlab.tblog import write_csv, write_json
 
-HELP = """Invert layer representations (seed 003): find an image whose layer output matches the original's.
+HELP = """Invert layer representations (Attentionless article): find an image whose layer output matches the original's.
 
 Per layer: input error ||a-a_g||/||a||, feature error ||O(a)-O(a_g)||/||O(a)||, the noise baseline
 ||O(a)-O(a')|| (a' = a + N(0, sigma^2), sigma 1/18 and 1/20, mean of 8 draws), pass/fail and steps to pass.
@@ -42,7 +42,7 @@ PANEL_NOTE = "image grids: one row per image; columns = original, then the inver
 
 def add_inversion_arguments(parser: argparse.ArgumentParser, default_layers: str = "all") -> None:
     """``--layers`` and the inversion settings (shared by invert, ablate and transplant)."""
-    group = parser.add_argument_group("inversion (Mahendran & Vedaldi 2015; seed 003 criterion)")
+    group = parser.add_argument_group("inversion (Mahendran & Vedaldi 2015; the Attentionless article's criterion)")
     group.add_argument("--layers", default=default_layers,
                        help=f"layers to invert, comma-separated: 'embed' (after patch + position embedding), block "
                             f"indices or names (stage1.block0), 'all' = every block (default {default_layers})")

@@ -1,11 +1,13 @@
-"""probe.py mi: mutual information between neurons against spatial distance (seed 002, Fig. 4)."""
+"""probe.py mi: mutual information between neurons against spatial distance (Philip et al., Fig. 4)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 import warnings
 from collections import defaultdict
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -16,13 +18,15 @@ from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, can
 from vitlab.probes.common import add_common_arguments, progress
 from vitlab.tblog import write_csv
 
-HELP = """Mutual information between neurons against spatial distance, per block and sub-layer (seed 002, Fig. 4).
+HELP = """Mutual information between neurons against spatial distance, per block and sub-layer (Philip et al., Fig. 4).
 
 A neuron is one (channel, token) of a sub-layer output over N images. The centre token's neuron of each of K
 centre channels is paired with the same channel at every token (mi_same) and with other channels (mi_cross);
 MI in nats, averaged over the tokens at each distance and over the centre channels. Gaussian-copula estimate,
 with equal-frequency bins + Miller-Madow beside it (flag_nonmonotone where binned exceeds it by > 0.05 nats) and KSG
 (sklearn) on a few random pairs. Writes a figure per block, mi.csv and mi_ksg.csv.
+Memory stays bounded: images are read one batch at a time and the kept neurons (N x tokens x (K + C') channels
+per block and sub-layer, fp16; 1.5 GB for ViT-B/16 at N = 2000) wait in a temporary file inside --out.
 
 example:
   python probe.py mi --checkpoint runs/medical_swin/version_0/checkpoints/last.ckpt --images /data/scans --num-images 2000
@@ -45,19 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     est.add_argument("--ksg-pairs", type=int, default=32, help="random neuron pairs per block and sub-layer checked with KSG (0: none; default 32)")
 
 
-def load_neurons(ctx) -> tuple[object, int]:
-    """The images for MI, with the count rules: an explicit --num-images must be met; warn below 500."""
+def load_neurons(ctx):
+    """The image stream for MI, with the count rules: an explicit --num-images must be met; warn below 500."""
     requested = ctx.args.num_images
-    batch = ctx.images(requested or DEFAULT_IMAGES)
-    count = batch.inputs.shape[0]
+    stream = ctx.image_stream(requested or DEFAULT_IMAGES)
+    count = stream.count
     if requested is not None and count < requested:
         raise ValueError(f"--num-images {requested}: the image source has only {count} images; lower --num-images or add images")
     minimum = max(8, (ctx.args.bins or 2) if ctx.args.binned_channels else 0)
     if count < minimum:
-        raise ValueError(f"probe.py mi: {count} images are too few for MI estimates (need at least {minimum}; seed 002 used thousands)")
+        raise ValueError(f"probe.py mi: {count} images are too few for MI estimates (need at least {minimum}; Philip et al. used thousands)")
     if count < WARN_BELOW:
         warnings.warn(f"probe.py mi: only {count} images: MI estimates are noisy below {WARN_BELOW} (default {DEFAULT_IMAGES} when the data has them)", stacklevel=2)
-    return batch, count
+    return stream, count
 
 
 def default_bins(count: int) -> int:
@@ -72,11 +76,18 @@ def run(ctx) -> None:
     for name in ("cross_channels", "binned_channels", "binned_cross_channels", "ksg_pairs"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    batch, count = load_neurons(ctx)
+    stream, count = load_neurons(ctx)
     args.bins = args.bins or default_bins(count)
     views = selected_blocks(ctx.model, args.blocks)
     sites = canonical_sites(args.sublayers)
-    neurons, grids = record_neurons(ctx, batch.inputs, views, sites, args.centre_channels + args.cross_channels)
+    with tempfile.TemporaryDirectory(prefix=".mi-neurons-", dir=ctx.out) as spill, NeuronStore(Path(spill), count) as neurons:
+        grids = record_neurons(ctx, stream, views, sites, args.centre_channels + args.cross_channels, neurons)
+        estimate_all(ctx, neurons, grids, views, sites, count)
+
+
+def estimate_all(ctx, neurons: "NeuronStore", grids: dict[str, tuple[int, int]], views, sites: list[str], count: int) -> None:
+    """Estimate, write and draw block by block, reading one (block, site) table back at a time."""
+    args = ctx.args
 
     rows: list[dict[str, object]] = []
     checks: list[dict[str, object]] = []
@@ -106,28 +117,72 @@ def run(ctx) -> None:
     report(checks, flagged, args.disagreement, count)
 
 
-def record_neurons(ctx, inputs: torch.Tensor, views, sites: list[str], channels_kept: int):
+class NeuronStore:
+    """The kept neurons, ``{(block, site): (N, T, U) fp16}``, in a temporary file: memory holds one table at a time.
+
+    Recording writes each batch's rows where they belong; :meth:`pop` reads one table back (the estimators
+    need all N images of a neuron at once, so a table is whole; the file replaces N x blocks x sites in RAM).
+    """
+
+    def __init__(self, folder: Path, total: int):
+        self.total = total
+        self.file = open(folder / "neurons.f16", "w+b")
+        self.tables: dict[tuple[str, str], tuple[int, tuple[int, int], torch.Tensor]] = {}  # key -> (offset, (T, U), channel ids)
+        self.size = 0
+
+    def add(self, key: tuple[str, str], tokens: int, channels: torch.Tensor) -> None:
+        self.tables[key] = (self.size, (tokens, channels.numel()), channels)
+        self.size += self.total * tokens * channels.numel() * 2
+
+    def write(self, key: tuple[str, str], start: int, acts: torch.Tensor) -> None:
+        offset, (tokens, width), _ = self.tables[key]
+        if tuple(acts.shape[1:]) != (tokens, width):
+            raise RuntimeError(f"mi: {key} recorded {tuple(acts.shape[1:])} tokens x channels, expected {(tokens, width)}")
+        self.file.seek(offset + start * tokens * width * 2)
+        self.file.write(acts.contiguous().numpy().tobytes())
+
+    def pop(self, key: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        offset, (tokens, width), channels = self.tables.pop(key)
+        table = torch.empty(self.total, tokens, width, dtype=torch.float16)
+        self.file.flush()
+        self.file.seek(offset)
+        if self.file.readinto(table.numpy()) != table.numel() * 2:
+            raise RuntimeError(f"mi: the neuron table of {key} is incomplete")
+        return table, channels
+
+    def __enter__(self) -> "NeuronStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neurons: NeuronStore) -> dict[str, tuple[int, int]]:
     """Record the sub-layers over all images in batches, keeping a random subset of channels (fp16).
 
-    Returns:
-        ``{(block, site): ((N, T, U) fp16 CPU tensor, (U,) channel ids)}`` and ``{block: (H, W) grid}``.
+    The images are streamed (one batch in memory) and only the kept channels are copied out of the model.
+
+    Fills ``neurons`` (``{(block, site): ((N, T, U) fp16, (U,) channel ids)}``) and returns ``{block: (H, W) grid}``.
     """
     generator = torch.Generator().manual_seed(ctx.args.seed)
-    total = inputs.shape[0]
-    neurons: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    keeps: dict[tuple[str, str], torch.Tensor] = {}
+    first = next(stream.batches(1))  # one image, recorded in full: the widths, to draw the channels as before
+    for rec in record_batches(ctx.model, first, sites, views, 1, ctx.device, "mi: widths", dtype=torch.float16):
+        for view in views:
+            for site in sites:
+                acts = rec.capture[view.name, site]  # (1, T, C)
+                width = acts.shape[-1]
+                keep = torch.randperm(width, generator=generator)[:channels_kept].sort().values if width > channels_kept else torch.arange(width)
+                keeps[(view.name, site)] = keep
+                neurons.add((view.name, site), acts.shape[1], keep)
     grids: dict[str, tuple[int, int]] = {}
-    for rec in record_batches(ctx.model, inputs, sites, views, ctx.args.batch_size, ctx.device, "mi: recording", dtype=torch.float16):
+    batches = stream.batches(ctx.args.batch_size)
+    for rec in record_batches(ctx.model, batches, sites, views, ctx.args.batch_size, ctx.device, "mi: recording", dtype=torch.float16, channels=keeps, total=stream.count):
         for view in views:
             grids[view.name] = tuple(rec.capture.grids[view.name])
             for site in sites:
-                acts = rec.capture[view.name, site]  # (b, T, C) fp16
-                if (view.name, site) not in neurons:
-                    width = acts.shape[-1]
-                    keep = torch.randperm(width, generator=generator)[:channels_kept].sort().values if width > channels_kept else torch.arange(width)
-                    neurons[(view.name, site)] = (acts.new_empty(total, acts.shape[1], keep.numel()), keep)
-                store, keep = neurons[(view.name, site)]
-                store[rec.start : rec.start + acts.shape[0]] = acts[:, :, keep]
-    return neurons, grids
+                neurons.write((view.name, site), rec.start, rec.capture[view.name, site])  # (b, T, U) fp16
+    return grids
 
 
 def estimate(acts: torch.Tensor, grid: tuple[int, int], args: argparse.Namespace, seed: int) -> dict[str, object]:
@@ -214,7 +269,7 @@ def block_figure(view, results: dict[str, dict[str, object]], count: int):
 
 
 def layers_figure(site: str, stage: int, curves: list[tuple[str, dict[str, object]]], count: int):
-    """Seed 002's Fig. 4: the same-channel MI curve of every block of a stage, coloured by depth."""
+    """Philip et al.'s Fig. 4: the same-channel MI curve of every block of a stage, coloured by depth."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(curves), 1)))
     for color, (name, result) in zip(colors, curves):

@@ -1,20 +1,22 @@
-"""probe.py spectra: the QK bilinear form's spectra of a checkpoint (seed 002, Fig. 5), as the QKSpectra callback."""
+"""probe.py spectra: the QK bilinear form's spectra of a checkpoint (Philip et al., Fig. 5), as the QKSpectra callback."""
 
 from __future__ import annotations
 
 import argparse
 
+from vitlab import models
 from vitlab.callbacks._state import head_counts, qkv_state
 from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout, spectra_rows
 from vitlab.probes.activations import require_attention
 from vitlab.probes.common import add_common_arguments
 
-HELP = """Spectra of each block's QK bilinear form W_Q W_K^T (seed 002, Fig. 5), the same as the QKSpectra callback.
+HELP = """Spectra of each block's QK bilinear form W_Q W_K^T (Philip et al., Fig. 5), the same as the QKSpectra callback.
 
 Per block and head: eigenvalues of the symmetric part (positive mass), the +-i lambda pairs of the antisymmetric
 part, the symmetry score and the singular values (effective rank); also for the head-summed matrix. Writes the
 per-stage Fig. 5 images, a blocks x heads positive-mass heatmap, scalars and spectra.csv (one row per block
-and head, head = sum for the summed matrix). Needs no images.
+and head, head = sum for the summed matrix). Needs no images. Cosine attention (Swin V2): the spectra of the
+same W_Q W_K^T, the form of the un-normalised q.k (sign structure and effective rank carry over, magnitudes not).
 
 example:
   python probe.py spectra --checkpoint runs/quickstart/version_0/checkpoints/last.ckpt
@@ -32,6 +34,9 @@ def run(ctx) -> None:
     report_spectra(ctx.writer, spectra, 0, ctx.out / "spectra.csv")
     ctx.writer.add_custom_scalars(spectra_layout())
     print_summary(spectra_rows(spectra), ctx.loaded.source)
+    if any(view.attention_form == "cosine" for view in models.blocks(ctx.model)):
+        print("cosine attention: these are the spectra of W_Q W_K^T, the bilinear form of the un-normalised q.k "
+              "(positive mass, symmetry and effective rank carry over to the cosine logits; magnitudes do not)")
 
 
 def print_summary(rows: list[dict[str, object]], source: str) -> None:

@@ -1,4 +1,4 @@
-"""probe.py stats: excess kurtosis of every neuron and activation histograms, per block and sub-layer (seed 002)."""
+"""probe.py stats: excess kurtosis of every neuron and activation histograms, per block and sub-layer (Philip et al.)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, can
 from vitlab.probes.common import add_common_arguments
 from vitlab.tblog import write_csv
 
-HELP = """Excess kurtosis of every neuron and activation histograms, per block and sub-layer (seed 002).
+HELP = """Excess kurtosis of every neuron and activation histograms, per block and sub-layer (Philip et al.).
 
 A neuron is one (channel, token) of a sub-layer output over N images; its excess kurtosis m4/m2^2 - 3 (scipy's
 convention: 0 for a Gaussian, > 0 for heavy tails) is accumulated batch by batch, so N is not limited by memory.
@@ -36,15 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ctx) -> None:
     args = ctx.args
-    batch = ctx.images(DEFAULT_IMAGES)
-    count = batch.inputs.shape[0]
+    stream = ctx.image_stream(DEFAULT_IMAGES)  # read a batch at a time: the moments are merged batch by batch
+    count = stream.count
     if count < 4:
         raise ValueError(f"probe.py stats: {count} images are too few for kurtosis (need at least 4; use --num-images or more images)")
     if args.histogram_values < 1:
         raise ValueError(f"--histogram-values must be >= 1, got {args.histogram_values}")
     views = selected_blocks(ctx.model, args.blocks)
     sites = canonical_sites(args.sublayers)
-    moments, samples = accumulate(ctx, batch.inputs, views, sites)
+    moments, samples = accumulate(ctx, stream.batches(args.batch_size), views, sites, count)
 
     rows = []
     for view in views:
@@ -66,13 +66,13 @@ def run(ctx) -> None:
     print_summary(rows, count)
 
 
-def accumulate(ctx, inputs: torch.Tensor, views, sites: list[str]) -> tuple[dict[tuple[str, str], Moments], dict[tuple[str, str], torch.Tensor]]:
-    """Per (block, site): moments of every neuron over all images, and a random sample of activation values."""
-    total = inputs.shape[0]
+def accumulate(ctx, inputs, views, sites: list[str], total: int) -> tuple[dict[tuple[str, str], Moments], dict[tuple[str, str], torch.Tensor]]:
+    """Per (block, site): moments of every neuron over all ``total`` images (a tensor or a stream of batches),
+    and a random sample of activation values."""
     generator = torch.Generator().manual_seed(ctx.args.seed)
     moments: dict[tuple[str, str], Moments] = {}
     samples: dict[tuple[str, str], list[torch.Tensor]] = {}
-    for rec in record_batches(ctx.model, inputs, sites, views, ctx.args.batch_size, ctx.device, "stats: recording"):
+    for rec in record_batches(ctx.model, inputs, sites, views, ctx.args.batch_size, ctx.device, "stats: recording", total=total):
         for view in views:
             for site in sites:
                 acts = rec.capture[view.name, site]  # (b, T, C)

@@ -1,4 +1,4 @@
-"""probe.py transplant: an untrained model receives trained parts, then inversion runs on both (seed 003)."""
+"""probe.py transplant: an untrained model receives trained parts, then inversion runs on both (Attentionless article)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from vitlab.probes.common import ProbeContext, add_common_arguments
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
 from vitlab.tblog import write_json
 
-HELP = """Give trained parts to a fresh untrained model, then invert both (seed 003's embedding / LayerNorm experiments).
+HELP = """Give trained parts to a fresh untrained model, then invert both (the Attentionless article's embedding / LayerNorm experiments).
 
 The trained model is the loaded one (--checkpoint / --config / --model --pretrained); each recipient is a fresh model
 of its architecture (the same random draw as the untrained baseline). Each --parts (repeatable) makes one recipient:

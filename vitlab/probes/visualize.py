@@ -1,4 +1,4 @@
-"""probe.py visualize: class-maximising inputs (seed 003) and MLP-neuron visualisation (Ghiasi et al. 2022)."""
+"""probe.py visualize: class-maximising inputs (Attentionless article) and MLP-neuron visualisation (Ghiasi et al. 2022)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from vitlab.probes.invert import enlarge
 from vitlab.tbimage import image_grid
 from vitlab.tblog import write_csv
 
-HELP = """Generate inputs that drive a class logit to a target (seed 003) or maximise one MLP hidden unit (SPEC §7).
+HELP = """Generate inputs that drive a class logit to a target (Attentionless article) or maximise one MLP hidden unit (Ghiasi et al. 2022).
 
 Classes: loss (z_c - T)^2 with T = 100, Adam, 3x3 Gaussian blur after each step with sigma annealed 2.4 -> 0,
 roll jitter of about a patch from step 200. Neurons: patch-token mean of an MLP hidden unit (after GELU), with

@@ -1,13 +1,9 @@
-"""Lightning glue: the classification module and the DINO pretraining module."""
+"""Lightning glue: one module per task (classification, detection, segmentation, DINO pretraining)."""
 
-from vitlab.training.module import ClassificationModule, warmup_cosine
+from vitlab.training.base import TaskModule, warmup_cosine
+from vitlab.training.detection import DetectionModule
+from vitlab.training.dino import DINOModule
+from vitlab.training.module import ClassificationModule
+from vitlab.training.segmentation import SegmentationModule
 
-__all__ = ["ClassificationModule", "DINOModule", "warmup_cosine"]
-
-
-def __getattr__(name: str):
-    if name == "DINOModule":  # imported lazily: it needs the optional `lightly` package
-        from vitlab.training.dino import DINOModule
-
-        return DINOModule
-    raise AttributeError(name)
+__all__ = ["ClassificationModule", "DetectionModule", "SegmentationModule", "TaskModule", "DINOModule", "warmup_cosine"]

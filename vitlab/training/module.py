@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torchmetrics import MetricCollection
@@ -17,10 +15,13 @@ from torchmetrics.classification import (
 )
 
 from vitlab import models
-from vitlab.tblog import confusion_matrix_figure, tensorboard_writer
+from vitlab.tblog import confusion_matrix_figure, figures_due, logging_step, tensorboard_writer
+from vitlab.training.base import TaskModule, warmup_cosine
+
+__all__ = ["ClassificationModule", "warmup_cosine"]
 
 
-class ClassificationModule(pl.LightningModule):
+class ClassificationModule(TaskModule):
     """Fine-tunes a timm / torchvision ViT, Swin or Mixer as an image classifier.
 
     The model is built through :func:`vitlab.models.build_model`, so any analysis (Q/K/V views, attention
@@ -82,10 +83,7 @@ class ClassificationModule(pl.LightningModule):
             weights=weights,
             **(model_kwargs or {}),
         )
-        if ablate:
-            models.ablate(self.model, **ablate)
-        if freeze:
-            models.freeze(self.model, freeze)
+        self._intervene(ablate, freeze)
         self.class_names = list(class_names) if class_names else [str(i) for i in range(num_classes)]
         metrics = MetricCollection(
             {
@@ -99,7 +97,6 @@ class ClassificationModule(pl.LightningModule):
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
         self.val_confusion = MulticlassConfusionMatrix(num_classes)
-        self.best_val: dict[str, float] = {}
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, K)
         return self.model(images)
@@ -136,15 +133,11 @@ class ClassificationModule(pl.LightningModule):
         self.val_confusion.reset()
         if self.trainer.sanity_checking:
             return
-        for key, value in values.items():
-            name = key.split("/", 1)[1]
-            value = float(value)
-            best = self.best_val.get(name)
-            self.best_val[name] = value if best is None else max(best, value)
-        if self.trainer.is_global_zero:
+        self._track_best(values)
+        if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
             writer = tensorboard_writer(self.trainer)
             if writer is not None:
-                writer.add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, self.class_names), self.current_epoch)
+                writer.add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, self.class_names), logging_step(self.trainer))  # val/*'s step
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._step(batch, self.test_metrics, "test")
@@ -152,35 +145,3 @@ class ClassificationModule(pl.LightningModule):
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.test_metrics.compute(), sync_dist=True)
         self.test_metrics.reset()
-
-    def on_fit_end(self) -> None:
-        """Log hyperparameters together with the best validation metrics (no placeholder ``hp_metric``)."""
-        if not self.best_val:
-            return
-        metrics = {f"hp/best_val_{k}": v for k, v in self.best_val.items()}
-        for logger in self.loggers:
-            logger.log_hyperparams(dict(self.hparams), metrics=metrics)
-
-    def configure_optimizers(self):
-        groups = models.parameter_groups(self.model, weight_decay=self.hparams.weight_decay, layer_decay=self.hparams.layer_decay)
-        for group in groups:
-            group["lr"] = self.hparams.lr * group.pop("lr_scale", 1.0)
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
-        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
-        steps_per_epoch = max(total_steps // max(self.trainer.max_epochs or 1, 1), 1)
-        warmup_steps = min(int(round(self.hparams.warmup_epochs * steps_per_epoch)), total_steps - 1)
-        schedule = warmup_cosine(warmup_steps, total_steps, self.hparams.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
-    """LR multiplier: linear warm-up from ~0 to 1 over ``warmup_steps``, then cosine down to ``min_ratio``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor

@@ -1,0 +1,163 @@
+"""Quickstart overhead: end-to-end training step of ``configs/quickstart.yaml`` against a bare timm loop.
+
+    python benchmarks/bench_quickstart.py [--epochs 30] [--bare-steps 40] [--no-load]
+
+Runs, each in its own process and one after the other (side by side, so the ratios hold on a shared,
+noisy machine where absolute times do not):
+
+1. a bare loop: the quickstart's timm Swin, batch 32 at 64 px, AdamW, forward + backward + step on
+   random tensors, nothing else; the faster of 1 thread and one per core, before and after 2. (the floor);
+2. the quickstart itself (``python train.py --config configs/quickstart.yaml``, its first ``--epochs`` epochs):
+   data workers, validation, metrics, the Q/K/V callbacks' figures and tables, checkpoints; its step time is
+   the wall time of ``Trainer.fit`` divided by the optimizer steps;
+3. the quickstart again while one busy process per core competes for the CPU: its CPU time (the process
+   and its data workers) against the quiet run's shows whether threads spin when they cannot run.
+
+Goal: quickstart step <= 1.5x the bare step; CPU time under load about the quiet one (not a multiple).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BARE = r"""
+import json, sys, time
+import vitlab  # noqa: F401  (same OpenMP wait policy as a vitlab run)
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+import yaml
+from vitlab.models import build_model, parameter_groups
+cfg = yaml.safe_load(open("configs/quickstart.yaml"))["model"]
+torch.manual_seed(0)
+model = build_model(cfg["model_name"], num_classes=2, in_chans=1, **cfg["model_kwargs"])
+opt = torch.optim.AdamW(parameter_groups(model, weight_decay=cfg["weight_decay"]), lr=cfg["lr"])
+x = torch.randn(32, 1, 64, 64)
+y = torch.randint(0, 2, (32,))
+def step():
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range(3):
+    step()
+n = int(sys.argv[1])
+start, cpu = time.perf_counter(), time.process_time()
+for _ in range(n):
+    step()
+out = {"step_s": (time.perf_counter() - start) / n, "cpu_step_s": (time.process_time() - cpu) / n}
+print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads()}))
+"""
+
+QUICKSTART = r"""
+import json, sys, time
+import vitlab  # noqa: F401  (first, as train.py imports it: its OpenMP wait policy precedes torch)
+import pytorch_lightning as pl
+timing = {}
+fit_method = pl.Trainer.fit
+def timed_fit(self, *args, **kwargs):
+    start, cpu = time.perf_counter(), time.process_time()
+    out = fit_method(self, *args, **kwargs)
+    timing["fit_s"], timing["fit_cpu_s"], timing["steps"] = time.perf_counter() - start, time.process_time() - cpu, self.global_step
+    return out
+pl.Trainer.fit = timed_fit
+from vitlab.cli import fit
+import torch
+fit(sys.argv[1:])
+timing["threads"] = torch.get_num_threads()
+print("RESULT " + json.dumps(timing))
+"""
+
+
+def run_child(code: str, args: list[str]) -> tuple[dict, float, float]:
+    """Run ``code`` in a fresh Python; return its RESULT line, wall seconds and CPU seconds (with its workers)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(line[len("RESULT "):]), wall, cpu
+
+
+def steps_per_epoch() -> int:
+    """Training batches per epoch of the quickstart's data (generated into the cache on first use)."""
+    import yaml
+
+    from vitlab.data import MedicalDataModule
+
+    data = MedicalDataModule(**yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["data"])
+    data.setup("fit")
+    return len(data.train_dataloader())
+
+
+def quickstart_args(save_dir: str, steps: int) -> list[str]:
+    """The quickstart's 30-epoch schedule (LR, figure frequency) cut short after ``steps`` steps."""
+    return [
+        "--config", "configs/quickstart.yaml",
+        "--trainer.max_steps", str(steps),
+        "--trainer.logger.init_args.save_dir", save_dir,
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+    ]
+
+
+def competing_load(processes: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=30, help="quickstart epochs per run, of its 30 (default: all)")
+    parser.add_argument("--bare-steps", type=int, default=40, help="timed steps of the bare loop (default 40)")
+    parser.add_argument("--no-load", action="store_true", help="skip the run under a competing load")
+    opts = parser.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    print(f"machine: {cores} usable cores, load average {os.getloadavg()[0]:.1f} (shared machines: compare ratios, not seconds)")
+
+    def bare_floor() -> dict:  # the faster of 1 thread and one per core: the best a bare loop gets here
+        runs = [run_child(BARE, [str(opts.bare_steps), str(t)])[0] for t in sorted({1, cores})]
+        return min(runs, key=lambda r: r["step_s"])
+
+    bare = bare_floor()
+    steps = opts.epochs * steps_per_epoch()
+    with tempfile.TemporaryDirectory(prefix="vitlab-bench-qs-") as tmp:
+        quick, quick_wall, quick_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "quiet"), steps))
+        bare_after = bare_floor()  # bracket the quickstart: the floor drifts with the machine's load
+        bare = min(bare, bare_after, key=lambda r: r["step_s"])
+        bare_s = bare["step_s"]
+        step_s = quick["fit_s"] / quick["steps"]
+        print(f"bare timm loop      : {bare_s * 1e3:7.1f} ms/step  ({bare['threads']} torch threads)")
+        print(f"quickstart (fit)    : {step_s * 1e3:7.1f} ms/step  ({quick['steps']} steps in {quick['fit_s']:.1f} s, {quick['threads']} torch threads)")
+        print(f"ratio (wall)        : {step_s / bare_s:7.2f}x  (goal <= 1.5x)")
+        cpu_step = quick["fit_cpu_s"] / quick["steps"]
+        print(f"ratio (CPU of the training process per step): {cpu_step / bare['cpu_step_s']:5.2f}x  "
+              f"({cpu_step * 1e3:.1f} vs {bare['cpu_step_s'] * 1e3:.1f} ms; steadier than wall time when the machine is shared)")
+        print(f"quickstart process  : {quick_wall:6.1f} s wall, {quick_cpu:6.1f} CPU-s (with start-up and data workers)")
+        if opts.no_load:
+            return
+        load = competing_load(cores)
+        try:
+            loaded, loaded_wall, loaded_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "loaded"), steps))
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait()
+        print(f"under {cores} busy procs: {loaded_wall:6.1f} s wall, {loaded_cpu:6.1f} CPU-s -> CPU time {loaded_cpu / quick_cpu:.2f}x the quiet run's (goal ~1x; spinning threads make it a multiple)")
+
+
+if __name__ == "__main__":
+    main()

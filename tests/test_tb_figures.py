@@ -1,0 +1,86 @@
+"""The local drift maps and the per-head spectra map are labelled figures (axes, colour bars with ranges)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from vitlab.analysis import head_grid
+from vitlab.callbacks.drift import LOCAL_METRICS, local_drift_figure
+from vitlab.callbacks.spectra import block_spectra, report_spectra
+
+
+class RecordingWriter:
+    """Keeps the figures given to ``add_figure`` (open) and accepts everything else."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, object] = {}
+
+    def add_figure(self, tag, fig, step):
+        self.figures[tag] = fig
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+
+def test_local_drift_figure_labels_heads_rows_matrices_and_ranges():
+    gen = torch.Generator().manual_seed(3)
+    heads, head_dim = 3, 5
+    rows = {name: [torch.rand(heads * head_dim, generator=gen, dtype=torch.float64) * (i + 1) for i in range(3)] for name in LOCAL_METRICS}
+    grids = {name: [head_grid(r, heads) for r in per] for name, per in rows.items()}
+    fig = local_drift_figure("stage1.block0", grids, step=7)
+    panels = [ax for ax in fig.axes if ax.get_images() and ax.get_label() != "<colorbar>"]
+    assert len(panels) == len(LOCAL_METRICS) * 3
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["h0", "h1", "h2"]  # heads, shared by all panels
+    assert all(ax.get_shared_y_axes().joined(ax, panels[0]) for ax in panels)
+    assert [ax.get_title() for ax in panels[:3]] == ["Q", "K", "V"]
+    for ax in panels:  # each panel is heads x rows-in-head, drawn from the grid it was given
+        assert ax.get_images()[0].get_array().shape == (heads, head_dim)
+    assert "row in head" in panels[-1].get_xlabel()
+    colorbars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(colorbars) == len(LOCAL_METRICS)
+    for name, cbar, first in zip(LOCAL_METRICS, colorbars, panels[::3]):
+        vmax = max(float(r.max()) for r in rows[name])
+        assert cbar.get_ylabel() == f"{name.replace('_', ' ')} [0, {vmax:.3g}]"
+        assert first.get_images()[0].get_clim() == (0.0, vmax)  # one scale for Q, K and V of a metric
+    assert "stage1.block0" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
+def test_spectra_heads_figure_has_blocks_heads_and_unit_colour_range():
+    gen = torch.Generator().manual_seed(4)
+    state = {}
+    heads = {"stage0.block0": 2, "stage1.block0": 4}
+    for block, dim in (("stage0.block0", 8), ("stage1.block0", 16)):
+        for m in "qk":
+            state[f"{block}.{m}.weight"] = torch.randn(dim, dim, generator=gen)
+    spectra = block_spectra(state, heads)
+    writer = RecordingWriter()
+    report_spectra(writer, spectra, step=3)
+    fig = writer.figures["spectra_heads/positive_mass"]
+    ax = next(a for a in fig.axes if a.get_images())
+    image = ax.get_images()[0]
+    data = image.get_array()
+    assert data.shape == (2, 4) and image.get_clim() == (0.0, 1.0)
+    assert np.ma.is_masked(data[0, 2]) and np.ma.is_masked(data[0, 3])  # stage0 has 2 heads: grey cells
+    np.testing.assert_allclose(np.asarray(data[1]), spectra["stage1.block0"].positive_mass.numpy(), rtol=1e-6)
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(heads)
+    assert ax.get_xlabel().startswith("head") and ax.get_ylabel() == "block"
+    cbar = [a for a in fig.axes if a is not ax][0]
+    assert "positive mass" in cbar.get_ylabel()
+    for f in writer.figures.values():
+        plt.close(f)
+
+
+def test_figures_are_drawn_about_six_times_per_run_and_at_both_ends():
+    from types import SimpleNamespace
+
+    from vitlab.tblog import figures_due
+
+    thirty = SimpleNamespace(max_epochs=30)
+    assert [e for e in range(31) if figures_due(thirty, e)] == [0, 1, 5, 10, 15, 20, 25, 30]
+    assert [e for e in range(8) if figures_due(SimpleNamespace(max_epochs=7), e)] == [0, 1, 2, 4, 6, 7]
+    assert [e for e in range(4) if figures_due(SimpleNamespace(max_epochs=3), e)] == [0, 1, 2, 3]
+    assert [e for e in range(11) if figures_due(SimpleNamespace(max_epochs=10), e, every_n_epochs=4)] == [0, 1, 4, 8, 10]
+    assert [e for e in range(6) if figures_due(SimpleNamespace(max_epochs=None), e)] == list(range(6))

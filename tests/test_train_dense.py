@@ -1,0 +1,131 @@
+"""Detection and segmentation end to end through train.py's CLI; metric paths on perfect / empty predictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from vitlab.callbacks._state import load_snapshot, qkv_state
+from vitlab.cli import fit
+from vitlab.training import DetectionModule, SegmentationModule
+
+SWIN = {"model_name": "swin_tiny_patch4_window7_224",
+        "model_kwargs": {"patch_size": 4, "embed_dim": 16, "depths": [2, 2], "num_heads": [1, 2], "window_size": 4}}
+
+
+def dense_args(task: str, save_dir: Path, epochs: int, extra: list[str] | None = None) -> list[str]:
+    cfg = {
+        "task": task,
+        "seed_everything": 0,
+        "trainer": {
+            "max_epochs": epochs, "accelerator": "cpu", "devices": 1, "log_every_n_steps": 1,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(save_dir), "name": task, "default_hp_metric": False}},
+            "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
+                          {"class_path": "vitlab.callbacks.QKSpectra"}],
+        },
+        "model": {**SWIN, "lr": 2e-3, "warmup_epochs": 0.5},
+        "data": {"root": None, "embedded_kwargs": {"patients": 6, "slices": 2, "size": 32, "difficulty": 0.0},
+                 "image_size": 32, "batch_size": 4, "num_workers": 0, "augment": "light", "val_fraction": 0.34},
+    }
+    path = save_dir / f"{task}.yaml"
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return ["--config", str(path), *(extra or [])]
+
+
+def events(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task,metrics", [
+    ("detection", ["val/map", "val/map_50", "val/mask_map", "val/mask_map_50", "train/loss_mask"]),
+    ("segmentation", ["val/dice", "val/dice_lesion", "val/iou_lesion", "val/loss"]),
+])
+def test_dense_fit_logs_metrics_and_drift_and_resumes(task, metrics, tmp_path, monkeypatch):
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    cli = fit(dense_args(task, tmp_path / "runs", epochs=1))
+    run = tmp_path / "runs" / task / "version_0"
+    acc = events(run)
+    scalars = set(acc.Tags()["scalars"])
+    for tag in [*metrics, "drift/rel_frobenius/stage0.block0.q", "spectra/positive_mass/stage1.block1"]:
+        assert tag in scalars, tag
+    assert all(0.0 <= e.value <= 1.0 for m in metrics if not m.endswith(("loss", "_epoch")) for e in acc.Scalars(m))
+    if task == "segmentation":
+        assert any(t.startswith("val/segmentation") for t in acc.Tags()["images"])
+    snap, _ = load_snapshot(run / "qkv" / "epoch_001.safetensors")  # the callbacks snapshot the backbone
+    live = qkv_state(cli.model.model)
+    assert snap.keys() == live.keys() and all(torch.equal(snap[k], live[k]) for k in live)
+
+    # probes given the checkpoint see the same backbone (a classifier built around it)
+    import argparse
+
+    from vitlab.probes.common import load_model
+
+    loaded = load_model(argparse.Namespace(checkpoint=run / "checkpoints" / "last.ckpt"))
+    probed = qkv_state(loaded.model)
+    assert probed.keys() == live.keys() and all(torch.equal(probed[k], live[k]) for k in live)
+
+    fit(dense_args(task, tmp_path / "runs", epochs=2, extra=["--ckpt_path", str(run / "checkpoints" / "last.ckpt")]))
+    assert not (tmp_path / "runs" / task / "version_1").exists()
+    assert (run / "qkv" / "epoch_002.safetensors").is_file()
+    assert len(events(run).Scalars("drift/rel_frobenius/stage0.block0.q")) == 2
+
+
+def planted_targets(size=32):
+    masks = torch.zeros(2, size, size, dtype=torch.uint8)
+    masks[0, 2:10, 3:12] = 1
+    masks[1, 18:30, 15:29] = 1
+    return {"boxes": torch.tensor([[3.0, 2, 12, 10], [15, 18, 29, 30]]), "labels": torch.tensor([1, 1]), "masks": masks}
+
+
+def test_detection_metric_path_perfect_and_empty():
+    module = DetectionModule(num_classes=1, image_size=32, **SWIN)
+    truth = [planted_targets(), {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+                                 "masks": torch.zeros(0, 32, 32, dtype=torch.uint8)}]
+    perfect = [{**t, "scores": torch.ones(len(t["labels"])), "masks": t["masks"][:, None].float()} for t in truth]
+    module.update_metric(module.val_map, perfect, truth)
+    values = module.summarise(module.val_map.compute(), "val")
+    module.val_map.reset()
+    assert values["val/map_50"] == pytest.approx(1.0) and values["val/map"] == pytest.approx(1.0)
+    assert values["val/mask_map"] == pytest.approx(1.0)
+    empty = [{"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0, dtype=torch.int64),
+              "masks": torch.zeros(0, 1, 32, 32)} for _ in truth]
+    module.update_metric(module.val_map, empty, truth)
+    values = module.summarise(module.val_map.compute(), "val")
+    assert values["val/map_50"] == 0.0 and values["val/mask_map"] == 0.0
+
+
+def test_module_reports_the_backbone_keys_it_loaded(tmp_path, capsys):
+    from vitlab import models
+
+    classifier = models.build_model(SWIN["model_name"], num_classes=2, in_chans=1, img_size=32, **SWIN["model_kwargs"])
+    torch.save({"state_dict": {f"model.{k}": v for k, v in classifier.state_dict().items()}}, tmp_path / "c.ckpt")
+    module = SegmentationModule(num_classes=1, image_size=32, weights=str(tmp_path / "c.ckpt"), **SWIN)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    n = len(models.backbone_state(module.model))
+    assert f"{n} backbone tensors loaded" in line and "c.ckpt" in line and "head was left out" in line
+
+
+def test_segmentation_metric_path_perfect_and_empty():
+    module = SegmentationModule(num_classes=1, image_size=32, class_names=["lesion"], **SWIN)
+    mask = planted_targets()["masks"].amax(dim=0, keepdim=True).long()  # (1, H, W) label map
+    mask = torch.cat([mask, torch.zeros_like(mask)])  # and a lesion-free image
+    perfect = torch.nn.functional.one_hot(mask, 2).permute(0, 3, 1, 2).float() * 10  # (B, 2, H, W) logits
+    module.update_metrics("val", perfect, mask)
+    values = module.compute_metrics("val")
+    assert values["val/dice_lesion"] == pytest.approx(1.0) and values["val/iou_lesion"] == pytest.approx(1.0)
+    background_only = torch.tensor([10.0, -10.0])[None, :, None, None].expand(2, 2, 32, 32)
+    module.update_metrics("val", background_only, mask)
+    values = module.compute_metrics("val")
+    assert values["val/dice_lesion"] == 0.0 and values["val/iou"] == 0.0
+    loss_perfect = module._loss(perfect, mask)
+    assert loss_perfect < 0.01 < module._loss(-perfect, mask)

@@ -1,0 +1,68 @@
+"""QKSpectra: the spectrum of every block's QK bilinear form W_Q W_K^T, each epoch (seed 002, Fig. 5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+
+from vitlab.callbacks._state import EpochCallback, head_counts, qkv_state, unwrap
+from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout
+from vitlab.tblog import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
+
+
+class QKSpectra(EpochCallback, pl.Callback):
+    """Logs the QK bilinear form's spectra of every attention block at fit start and every N epochs.
+
+    Per block: positive mass of the symmetric part's spectrum, symmetry score and effective rank (head
+    mean as ``spectra/...``, head-summed matrix as ``spectra_summed/...``); per stage a figure of the
+    eigenvalues of the symmetric and antisymmetric parts and the singular values; a blocks x heads
+    positive-mass heatmap; and ``<run>/qkv/spectra_epoch_{k:03d}.csv`` per block and head.
+
+    Cosine-attention models (Swin V2) get the spectra of the same Wq^T Wk, the bilinear form of the
+    un-normalised q.k: sign structure and effective rank carry over to the cosine logits, singular-value
+    magnitudes do not (see :mod:`vitlab.analysis.spectra`).
+
+    Args:
+        every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
+        write_csv: Write the per-head CSV table.
+        figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
+            ``None``: about 6 per run.
+    """
+
+    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None) -> None:
+        super().__init__(every_n_epochs)
+        if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
+            raise ValueError(f"QKSpectra.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        self.figures_every_n_epochs = figures_every_n_epochs
+        self.write_csv = write_csv
+        self.logged_epochs: list[int] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, pl_module, epoch=0)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        completed = trainer.current_epoch + 1
+        if completed % self.every_n_epochs == 0:
+            self._log(trainer, pl_module, epoch=completed)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
+        if not trainer.is_global_zero or epoch in self.logged_epochs:
+            return
+        model = unwrap(pl_module)
+        spectra = block_spectra(qkv_state(model), head_counts(model))
+        writer = tensorboard_writer(trainer)
+        table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
+        figures = figures_due(trainer, epoch, self.figures_every_n_epochs)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures)
+        write_layout_once(trainer)
+        self.logged_epochs.append(epoch)
+
+    def tensorboard_layout(self) -> dict[str, Any]:
+        return spectra_layout()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"logged_epochs": list(self.logged_epochs)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.logged_epochs = [int(e) for e in state_dict.get("logged_epochs", [])]

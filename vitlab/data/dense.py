@@ -1,0 +1,237 @@
+"""Dense targets (detection, segmentation): label-map masks beside the images, instances and boxes.
+
+A mask is one label map per image (PNG or TIFF, same height and width as the image): 0 is background,
+value ``i`` is ``mask_classes[i - 1]``. Where the masks are:
+
+* manifest: a ``mask`` column beside ``path`` (relative to the manifest's folder);
+* class folders: a parallel tree ``root/masks/<class>/<same relative path>.png`` (or ``.tif``);
+* COCO instances JSON (:func:`scan_coco`): polygons / RLE per annotation, rasterised into label maps.
+
+Instances for detection are the connected components of each class (``scipy.ndimage.label``);
+their boxes are computed after augmentation from the moved instance masks, so a box always follows
+its object and an instance that leaves the crop is dropped. An image without instances is a valid
+negative (boxes of shape (0, 4)).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import albumentations as A
+import numpy as np
+import torch
+from PIL import Image
+from scipy import ndimage
+
+from vitlab.data.cache import cache_root
+from vitlab.data.dataset import MedicalImageDataset, integer_downscale, to_channels
+from vitlab.data.io import ImageReadError
+from vitlab.data.layouts import Sample, SkippedFileWarning, skip_or_raise
+
+MASK_SUFFIXES = (".png", ".tif", ".tiff")
+
+
+class MaskError(ImageReadError):
+    """A mask that does not fit its image (missing, wrong size, label value outside the classes)."""
+
+
+def read_mask(sample: Sample, num_classes: int) -> np.ndarray:
+    """The label map of ``sample`` as int64 (H, W), checked against ``num_classes`` foreground classes.
+
+    Raises:
+        MaskError: No mask, a missing / unreadable file, a colour mask or a value > ``num_classes``;
+            the message names the image and the mask.
+    """
+    if sample.mask is None:
+        raise MaskError(f"image {sample.path} has no mask (add a 'mask' column / a masks/ tree)")
+    where = f"mask {sample.mask} of image {sample.path}"
+    if not Path(sample.mask).is_file():
+        raise MaskError(f"{where}: mask file does not exist")
+    try:
+        with Image.open(sample.mask) as img:
+            mask = np.asarray(img)
+    except OSError as err:
+        raise MaskError(f"{where}: cannot read it ({err})") from None
+    if mask.ndim != 2:
+        raise MaskError(f"{where}: shape {mask.shape}; a mask is a single-channel label map (H, W)")
+    mask = mask.astype(np.int64)
+    bad = np.unique(mask[(mask < 0) | (mask > num_classes)])
+    if bad.size:
+        raise MaskError(f"{where}: label value(s) {bad.tolist()} not in the classes (0 = background, 1-{num_classes})")
+    return mask
+
+
+def check_masks(samples: Sequence[Sample], num_classes: int, on_bad_file: str = "skip") -> tuple[list[Sample], list[str]]:
+    """Read every mask once (missing file, label values); returns the usable samples and one message per drop."""
+    kept, skipped = [], []
+    for sample in samples:
+        try:
+            read_mask(sample, num_classes)
+        except MaskError as error:
+            skip_or_raise(error, on_bad_file, skipped)
+            continue
+        kept.append(sample)
+    return kept, skipped
+
+
+def instances(mask: np.ndarray, num_classes: int) -> tuple[list[np.ndarray], list[int]]:
+    """Connected components of each class: instance masks (H, W) uint8 and their class ids (1-based)."""
+    masks, labels = [], []
+    for cls in range(1, num_classes + 1):
+        components, count = ndimage.label(mask == cls)
+        for i in range(1, count + 1):
+            masks.append((components == i).astype(np.uint8))
+            labels.append(cls)
+    return masks, labels
+
+
+def boxes_of(masks: Sequence[np.ndarray]) -> np.ndarray:
+    """Tight boxes (N, 4) float32 ``x0, y0, x1, y1`` (pixel edges: x1 = last column + 1) of non-empty masks."""
+    boxes = np.zeros((len(masks), 4), dtype=np.float32)
+    for i, m in enumerate(masks):
+        ys, xs = np.nonzero(m)
+        boxes[i] = (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+    return boxes
+
+
+class DenseDataset(MedicalImageDataset):
+    """Images with their masks, moved together by the albumentations pipeline.
+
+    Items are ``(image (C, S, S), target)`` with target ``mask`` (S, S) int64 (semantic label map),
+    ``boxes`` (N, 4) float32 (x0, y0, x1, y1 in pixels), ``labels`` (N,) int64 (1-based class) and
+    ``masks`` (N, S, S) uint8 (one per instance). A pair whose mask does not fit its image fails with a
+    one-line :class:`MaskError` under ``on_bad_file="error"``, else it is warned about and skipped.
+
+    Args:
+        num_mask_classes: Foreground classes in the masks.
+        Other arguments: as :class:`~vitlab.data.dataset.MedicalImageDataset`.
+    """
+
+    def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], transform: A.Compose, *,
+                 num_mask_classes: int = 1, **kwargs) -> None:
+        super().__init__(samples, class_names, transform, **kwargs)
+        self.num_mask_classes = num_mask_classes
+
+    def _pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        sample = self.samples[index]
+        image = self.load_array(index)
+        mask = read_mask(sample, self.num_mask_classes)
+        if mask.shape != image.shape[:2]:
+            raise MaskError(f"mask {sample.mask} of image {sample.path}: size {mask.shape[1]}x{mask.shape[0]} "
+                            f"differs from the image's {image.shape[1]}x{image.shape[0]}")
+        return image, mask
+
+    def _first_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        for offset in range(len(self)):
+            candidate = (index + offset) % len(self)
+            try:
+                return self._pair(candidate)
+            except (ImageReadError, OSError) as error:
+                if self.on_bad_file == "error":
+                    raise
+                path = str(self.samples[candidate].path)
+                if path not in self.bad_paths:
+                    self.bad_paths.add(path)
+                    warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=2)
+        raise RuntimeError(f"none of the {len(self)} image/mask pairs could be read (see the warnings above)")
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        image, mask = self._first_pair(index)
+        image = to_channels(image, self.in_chans)  # (H, W, C)
+        if self.prescale_to:
+            factor_image = integer_downscale(image, self.prescale_to)
+            if factor_image.shape[:2] != image.shape[:2]:  # nearest for labels: every k-th pixel
+                k = image.shape[0] // factor_image.shape[0]
+                mask = mask[: factor_image.shape[0] * k : k, : factor_image.shape[1] * k : k]
+            image = factor_image
+        inst, labels = instances(mask, self.num_mask_classes)
+        out = self.transform(image=image, mask=mask, masks=inst or [np.zeros_like(mask, dtype=np.uint8)])
+        moved = [np.asarray(m, dtype=np.uint8) for m in out["masks"]][: len(inst)]
+        keep = [i for i, m in enumerate(moved) if m.any()]  # an instance that left the crop is dropped
+        picture = out["image"] if out["image"].ndim == 3 else out["image"][:, :, None]
+        size = picture.shape[:2]
+        target = {
+            "mask": torch.from_numpy(np.asarray(out["mask"], dtype=np.int64)),  # (S, S)
+            "boxes": torch.from_numpy(boxes_of([moved[i] for i in keep])).reshape(-1, 4),  # (N, 4)
+            "labels": torch.tensor([labels[i] for i in keep], dtype=torch.int64),  # (N,)
+            "masks": torch.from_numpy(np.stack([moved[i] for i in keep]) if keep
+                                      else np.zeros((0, *size), dtype=np.uint8)),  # (N, S, S)
+        }
+        tensor = torch.from_numpy(np.ascontiguousarray(picture.transpose(2, 0, 1), dtype=np.float32))  # (C, S, S)
+        return tensor, target
+
+
+def dense_collate(batch: list) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Stack the images (B, C, S, S); keep the targets as a list (their instance counts differ)."""
+    images, targets = zip(*batch)
+    return torch.stack(images), list(targets)
+
+
+def scan_coco(annotation_file: str | os.PathLike, image_root: str | os.PathLike | None = None,
+              mask_dir: str | os.PathLike | None = None) -> tuple[Path, list[str]]:
+    """Turn a COCO instances JSON into a vitlab manifest with rasterised label-map masks.
+
+    Each image's annotations (polygons or RLE, via pycocotools) are painted into one label map
+    (value = position of the category in the JSON's ``categories`` list + 1; later annotations win
+    where they overlap) and written as PNG into ``mask_dir`` (default: the vitlab cache folder); the manifest's ``label`` column is
+    ``<category>`` of the image's first annotation or ``background`` for an image without any.
+
+    Returns:
+        The manifest path (in ``mask_dir``) and the category names (the mask classes).
+
+    Raises:
+        ValueError: A file that is not a COCO instances JSON, or an annotation naming an unknown
+            image / category (naming both).
+    """
+    from pycocotools import mask as mask_utils
+
+    annotation_file = Path(annotation_file)
+    try:
+        coco = json.loads(annotation_file.read_text())
+        images, annotations, categories = coco["images"], coco.get("annotations", []), coco["categories"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{annotation_file}: not a COCO instances JSON ({type(err).__name__}: {err})") from None
+    image_root = Path(image_root) if image_root is not None else annotation_file.parent
+    if mask_dir is None:  # never write into the user's data folder: the cache, keyed by the JSON's path and content
+        key = hashlib.sha256(str(annotation_file.resolve()).encode() + annotation_file.read_bytes()).hexdigest()[:12]
+        mask_dir = cache_root() / f"coco-{key}"
+    mask_dir = Path(mask_dir)
+    mask_dir.mkdir(parents=True, exist_ok=True)
+    class_of = {c["id"]: i + 1 for i, c in enumerate(categories)}
+    names = [c["name"] for c in categories]
+    by_image: dict = {img["id"]: [] for img in images}
+    for ann in annotations:
+        if ann.get("image_id") not in by_image:
+            raise ValueError(f"{annotation_file}: annotation {ann.get('id')} names unknown image_id {ann.get('image_id')}")
+        if ann.get("category_id") not in class_of:
+            raise ValueError(f"{annotation_file}: annotation {ann.get('id')} has category_id {ann.get('category_id')} "
+                             f"not in categories {sorted(class_of)}")
+        by_image[ann["image_id"]].append(ann)
+    rows = [("path", "label", "mask")]
+    for img in images:
+        h, w = int(img["height"]), int(img["width"])
+        label_map = np.zeros((h, w), dtype=np.uint8)
+        for ann in by_image[img["id"]]:
+            seg = ann["segmentation"]
+            if isinstance(seg, list):
+                rle = mask_utils.merge(mask_utils.frPyObjects(seg, h, w))
+            elif isinstance(seg.get("counts"), list):
+                rle = mask_utils.frPyObjects(seg, h, w)
+            else:
+                rle = seg
+            label_map[mask_utils.decode(rle).astype(bool)] = class_of[ann["category_id"]]
+        out = mask_dir / (Path(img["file_name"]).with_suffix("").as_posix().replace("/", "__") + ".png")
+        Image.fromarray(label_map).save(out)
+        first = by_image[img["id"]][0]["category_id"] if by_image[img["id"]] else None
+        label = names[class_of[first] - 1] if first is not None else "background"
+        rows.append((str((image_root / img["file_name"]).resolve()), label, out.name))
+    manifest = mask_dir / "manifest.csv"
+    with open(manifest, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    return manifest, names

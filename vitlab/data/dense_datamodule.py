@@ -1,0 +1,69 @@
+"""LightningDataModule for detection and segmentation: images + label-map masks (see :mod:`vitlab.data.dense`)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+from vitlab.data.datamodule import MedicalDataModule
+from vitlab.data.dense import DenseDataset, check_masks, dense_collate, scan_coco
+from vitlab.data.layouts import Sample
+from vitlab.data.transforms import seed_worker
+
+
+class DenseDataModule(MedicalDataModule):
+    """:class:`~vitlab.data.MedicalDataModule` whose batches carry masks, boxes and instances.
+
+    Batches are ``(images (B, C, S, S), targets)`` with one dict per image (see
+    :class:`~vitlab.data.dense.DenseDataset`). The split is the classifier's (patient-grouped, stratified
+    by the ``label`` column), so a detector and a classifier on the same data see the same patients.
+
+    Args:
+        mask_classes: Foreground class names; mask value ``i`` is ``mask_classes[i - 1]``.
+        coco_json: A COCO instances JSON (third layout): its images and categories replace ``root``
+            (masks are rasterised into ``coco_mask_dir``, default the vitlab cache) and ``mask_classes``.
+        coco_mask_dir: Where the rasterised COCO masks and their manifest are written.
+        Other arguments: as :class:`~vitlab.data.MedicalDataModule` (``root`` None -> the embedded
+            synthetic set, whose manifest has a ``mask`` column with the lesion outlines).
+    """
+
+    def __init__(self, *args, mask_classes: list[str] | None = None, coco_json: str | None = None,
+                 coco_mask_dir: str | None = None, **kwargs) -> None:
+        if coco_json is not None:
+            manifest, mask_classes = scan_coco(coco_json, mask_dir=coco_mask_dir)
+            kwargs["root"] = str(manifest)
+        super().__init__(*args, **kwargs)
+        self.mask_classes = list(mask_classes or ["lesion"])
+        if not self.mask_classes:
+            raise ValueError("mask_classes must name at least one foreground class")
+        self.num_mask_classes = len(self.mask_classes)
+
+    def _prepare(self) -> list[Sample]:
+        if self._samples is not None:
+            return self._samples
+        samples = super()._prepare()
+        kept, skipped = check_masks(samples, self.num_mask_classes, self.on_bad_file)
+        self.skipped_files += len(skipped)
+        self._samples = kept
+        return kept
+
+    def dataset(self, split: str, *, augmented: bool = False) -> DenseDataset:
+        """Image + mask dataset of one split; ``augmented`` moves the masks with the image."""
+        return DenseDataset(
+            self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
+            num_mask_classes=self.num_mask_classes, in_chans=self.in_chans, read_options=self.read_options,
+            on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
+        )  # fmt: skip
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        return DataLoader(
+            self.dataset(split, augmented=train),
+            batch_size=self.batch_size,
+            shuffle=train,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            worker_init_fn=seed_worker,
+            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=dense_collate,
+        )

@@ -1,0 +1,88 @@
+"""The base every vitlab task shares: interventions on the backbone, AdamW groups, warm-up + cosine, best metrics.
+
+A task module sets ``self.model`` (a classifier, or a detector / segmenter whose backbone
+:mod:`vitlab.models` finds); the Q/K/V callbacks and probes only talk to ``module.model``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from vitlab import models
+
+
+class TaskModule(pl.LightningModule):
+    """Shared plumbing. Subclasses call ``save_hyperparameters`` (with ``lr``, ``weight_decay``,
+    ``layer_decay``, ``warmup_epochs``, ``min_lr_ratio``), build ``self.model``, then :meth:`_intervene`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.best_val: dict[str, float] = {}
+
+    def _report_weights(self) -> None:
+        """One line saying which backbone tensors a ``weights:`` file gave a detector / segmenter."""
+        report = getattr(getattr(self.model, "backbone", None), "weights_report", None)
+        if report is not None:
+            keys = report.loaded_keys
+            print(f"vitlab: {report.source}: {len(keys)} backbone tensors loaded ({keys[0]} ... {keys[-1]})"
+                  + ("; its classifier head was left out" if report.head_reset else ""))
+
+    def _intervene(self, ablate: dict[str, Any] | None, freeze: list[str] | None) -> None:
+        """Encoder ablation and freezing of backbone parts (after the weights are loaded)."""
+        self._report_weights()
+        if ablate:
+            models.ablate(self.model, **ablate)
+        if freeze:
+            models.freeze(self.model, freeze)
+
+    def _track_best(self, values: dict[str, Any]) -> None:
+        """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""
+        if self.trainer.sanity_checking:
+            return
+        for key, value in values.items():
+            name = key.split("/", 1)[-1]
+            value = float(value)
+            if math.isnan(value):
+                continue
+            best = self.best_val.get(name)
+            self.best_val[name] = value if best is None else max(best, value)
+
+    def on_fit_end(self) -> None:
+        """Log hyperparameters together with the best validation metrics (no placeholder ``hp_metric``)."""
+        if not self.best_val:
+            return
+        metrics = {f"hp/best_val_{k}": v for k, v in self.best_val.items()}
+        from vitlab.tblog import logging_step
+
+        step = max(logging_step(self.trainer) - 1, 0)  # the last epoch's step: a resumed run adds a point, not a duplicate
+        for logger in self.loggers:
+            logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        groups = models.parameter_groups(self.model, weight_decay=hp.weight_decay, layer_decay=hp.layer_decay)
+        for group in groups:
+            group["lr"] = hp.lr * group.pop("lr_scale", 1.0)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr)
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        steps_per_epoch = max(total_steps // max(self.trainer.max_epochs or 1, 1), 1)
+        warmup_steps = min(int(round(hp.warmup_epochs * steps_per_epoch)), total_steps - 1)
+        schedule = warmup_cosine(warmup_steps, total_steps, hp.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear warm-up from ~0 to 1 over ``warmup_steps``, then cosine down to ``min_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

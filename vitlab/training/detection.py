@@ -1,0 +1,116 @@
+"""LightningModule for instance detection / segmentation: torchvision Mask R-CNN over a timm ViT / Swin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchmetrics.detection import MeanAveragePrecision
+
+from vitlab import models
+from vitlab.training.base import TaskModule
+
+# MeanAveragePrecision keys -> logged names (``val/<name>``)
+_LOGGED = {"bbox_map": "map", "bbox_map_50": "map_50", "bbox_map_75": "map_75", "bbox_mar_100": "mar_100",
+           "segm_map": "mask_map", "segm_map_50": "mask_map_50", "segm_map_75": "mask_map_75"}
+
+
+class DetectionModule(TaskModule):
+    """Fine-tunes a Mask R-CNN (boxes + instance masks) whose backbone is a timm Swin or ViT.
+
+    Batches are ``(images (B, C, S, S), targets)`` from :class:`vitlab.data.DenseDataModule`. The training
+    loss is the sum of torchvision's five losses (each logged under ``train/``); validation logs COCO
+    box and mask mAP (torchmetrics ``MeanAveragePrecision``, pycocotools backend): ``val/map``,
+    ``val/map_50``, ``val/map_75``, ``val/mar_100``, ``val/mask_map``, ``val/mask_map_50``, ``val/mask_map_75``.
+
+    Args:
+        model_name: timm Swin / ViT name.
+        num_classes: Foreground classes (linked from ``data.num_mask_classes``).
+        in_chans: Image channels (linked from the data).
+        image_size: Input side (linked from the data).
+        pretrained: timm ImageNet weights for the backbone.
+        weights: A classifier's or detector's checkpoint whose backbone is loaded.
+        heads: ``"light"`` (2-core CPU sizes) or ``"full"`` (torchvision's defaults).
+        head_kwargs: Overrides of :data:`vitlab.models.DETECTION_HEADS` keys (``fpn_channels``, ``anchor_base`` ...).
+        model_kwargs: Backbone constructor arguments.
+        ablate, freeze, lr, weight_decay, layer_decay, warmup_epochs, min_lr_ratio: as the classifier's
+            (``ablate`` / ``freeze`` name backbone parts; pyramid and heads train with the last layer's LR).
+        class_names: Foreground class names (linked from ``data.mask_classes``).
+    """
+
+    def __init__(
+        self,
+        model_name: str = "swin_tiny_patch4_window7_224",
+        num_classes: int = 1,
+        in_chans: int = 1,
+        image_size: int = 224,
+        pretrained: bool = False,
+        weights: str | None = None,
+        heads: str = "light",
+        head_kwargs: dict[str, Any] | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        ablate: dict[str, Any] | None = None,
+        freeze: list[str] | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.05,
+        layer_decay: float | None = None,
+        warmup_epochs: float = 1.0,
+        min_lr_ratio: float = 0.01,
+        class_names: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if num_classes < 1:
+            raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
+        self.save_hyperparameters(logger=False)
+        self.model = models.build_detector(model_name, num_classes, in_chans=in_chans, image_size=image_size,
+                                           pretrained=pretrained, weights=weights, heads=heads,
+                                           model_kwargs=model_kwargs, **(head_kwargs or {}))
+        self._intervene(ablate, freeze)
+        self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
+        self.val_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")
+        self.test_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")
+
+    def forward(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Detections per image: ``boxes`` (N, 4), ``labels`` (N,), ``scores`` (N,), ``masks`` (N, 1, S, S)."""
+        return self.model(list(images))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        losses = self.model(list(images), targets)
+        loss = sum(losses.values())
+        batch_size = len(images)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch_size)
+        self.log_dict({f"train/{k}": v for k, v in losses.items()}, on_step=False, on_epoch=True, batch_size=batch_size)
+        return loss
+
+    @staticmethod
+    def update_metric(metric: MeanAveragePrecision, preds: list[dict], targets: list[dict]) -> None:
+        """Feed detections and ground truth to a ``MeanAveragePrecision`` (masks binarised at 0.5)."""
+        metric.update(
+            [{"boxes": p["boxes"].float(), "scores": p["scores"].float(), "labels": p["labels"],
+              "masks": (p["masks"][:, 0] > 0.5) if p["masks"].ndim == 4 else p["masks"].bool()} for p in preds],
+            [{"boxes": t["boxes"].float(), "labels": t["labels"], "masks": t["masks"].bool()} for t in targets],
+        )
+
+    @staticmethod
+    def summarise(values: dict[str, torch.Tensor], stage: str) -> dict[str, float]:
+        """The logged scalars of a computed ``MeanAveragePrecision`` (-1 'no ground truth' becomes 0)."""
+        return {f"{stage}/{name}": max(float(values[key]), 0.0) for key, name in _LOGGED.items() if key in values}
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        images, targets = batch
+        self.update_metric(self.val_map, self(images), targets)
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.summarise(self.val_map.compute(), "val")
+        self.val_map.reset()
+        self.log_dict(values)
+        self._track_best(values)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        images, targets = batch
+        self.update_metric(self.test_map, self(images), targets)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.summarise(self.test_map.compute(), "test"))
+        self.test_map.reset()

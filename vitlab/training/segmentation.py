@@ -1,0 +1,163 @@
+"""LightningModule for semantic segmentation: a timm ViT / Swin encoder with a light FPN decoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torchmetrics.classification import MulticlassJaccardIndex  # noqa: E402
+from torchmetrics.segmentation import DiceScore  # noqa: E402
+
+from vitlab import models  # noqa: E402
+from vitlab.tblog import tensorboard_writer  # noqa: E402
+from vitlab.training.base import TaskModule  # noqa: E402
+
+
+def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
+    """1 - mean over foreground classes of the batch soft Dice; logits (B, K+1, H, W), target (B, H, W) int."""
+    probs = logits.float().softmax(dim=1)[:, 1:]  # (B, K, H, W)
+    onehot = F.one_hot(target, logits.shape[1]).permute(0, 3, 1, 2)[:, 1:].float()  # (B, K, H, W)
+    inter = (probs * onehot).sum(dim=(0, 2, 3))
+    total = probs.sum(dim=(0, 2, 3)) + onehot.sum(dim=(0, 2, 3))
+    return 1.0 - ((2 * inter + eps) / (total + eps)).mean()
+
+
+def overlay_figure(images: torch.Tensor, truth: torch.Tensor, pred: torch.Tensor, class_names: list[str]):
+    """Rows of ``image | ground truth | prediction`` (labels overlaid in colour on the image)."""
+    rows = len(images)
+    fig, axes = plt.subplots(rows, 3, figsize=(6, 2 * rows), squeeze=False)
+    cmap = matplotlib.colormaps["tab10"]
+    for r in range(rows):
+        img = images[r, 0].float().cpu().numpy()  # (S, S) first channel
+        img = (img - img.min()) / (img.max() - img.min() + 1e-8)
+        for c, (title, labels) in enumerate((("image", None), ("ground truth", truth[r]), ("prediction", pred[r]))):
+            ax = axes[r, c]
+            ax.imshow(img, cmap="gray")
+            if labels is not None:
+                lab = labels.cpu().numpy()
+                colours = cmap(lab % 10)
+                colours[..., 3] = 0.45 * (lab > 0)
+                ax.imshow(colours)
+            ax.set_axis_off()
+            if r == 0:
+                ax.set_title(title, fontsize=9)
+    fig.suptitle("classes: " + ", ".join(f"{i + 1}={n}" for i, n in enumerate(class_names)), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+class SegmentationModule(TaskModule):
+    """Fine-tunes a segmenter (see :func:`vitlab.models.build_segmenter`) with cross-entropy + soft Dice.
+
+    Batches are ``(images, targets)`` from :class:`vitlab.data.DenseDataModule` (``target["mask"]`` is the
+    label map). Validation logs ``val/loss``, ``val/dice`` and ``val/iou`` (mean over foreground classes)
+    and ``val/dice_<class>`` / ``val/iou_<class>`` (torchmetrics ``DiceScore`` and ``MulticlassJaccardIndex``,
+    pooled over the split's pixels), and a figure ``val/segmentation`` (image | ground truth | prediction)
+    of the first validation images every epoch.
+
+    Args:
+        num_classes: Foreground classes (linked from ``data.num_mask_classes``).
+        decoder_channels: Width of the pyramid and the fusion head.
+        dice_weight: Weight of the soft Dice loss added to cross-entropy.
+        grid_images: Images in the validation figure (0 disables it).
+        Other arguments: as :class:`~vitlab.training.DetectionModule`.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "swin_tiny_patch4_window7_224",
+        num_classes: int = 1,
+        in_chans: int = 1,
+        image_size: int = 224,
+        pretrained: bool = False,
+        weights: str | None = None,
+        decoder_channels: int = 64,
+        model_kwargs: dict[str, Any] | None = None,
+        ablate: dict[str, Any] | None = None,
+        freeze: list[str] | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.05,
+        layer_decay: float | None = None,
+        warmup_epochs: float = 1.0,
+        min_lr_ratio: float = 0.01,
+        dice_weight: float = 1.0,
+        grid_images: int = 4,
+        class_names: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if num_classes < 1:
+            raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
+        self.save_hyperparameters(logger=False)
+        self.model = models.build_segmenter(model_name, num_classes, in_chans=in_chans, image_size=image_size,
+                                            pretrained=pretrained, weights=weights, decoder_channels=decoder_channels,
+                                            model_kwargs=model_kwargs)
+        self._intervene(ablate, freeze)
+        self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
+        k = num_classes + 1
+        for stage in ("val", "test"):
+            setattr(self, f"{stage}_dice", DiceScore(k, include_background=False, average="none",
+                                                     aggregation_level="global", input_format="index"))
+            setattr(self, f"{stage}_iou", MulticlassJaccardIndex(k, average="none"))
+        self._grid: tuple | None = None
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, K+1, H, W)
+        return self.model(images)
+
+    def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), mask) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        mask = torch.stack([t["mask"] for t in targets])  # (B, H, W)
+        loss = self._loss(self(images), mask)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(images))
+        return loss
+
+    def update_metrics(self, stage: str, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """Feed one batch's argmax prediction to the stage's Dice / IoU."""
+        pred = logits.argmax(dim=1)  # (B, H, W)
+        getattr(self, f"{stage}_dice").update(pred, mask)
+        getattr(self, f"{stage}_iou").update(pred, mask)
+
+    def compute_metrics(self, stage: str) -> dict[str, float]:
+        """``stage/dice``, ``stage/iou`` and per-class values; resets the metrics."""
+        dice = getattr(self, f"{stage}_dice").compute().reshape(-1)  # (K,) foreground
+        iou = getattr(self, f"{stage}_iou").compute().reshape(-1)[1:]  # (K,) without background
+        getattr(self, f"{stage}_dice").reset()
+        getattr(self, f"{stage}_iou").reset()
+        values = {f"{stage}/dice": float(dice.mean()), f"{stage}/iou": float(iou.mean())}
+        for name, d, j in zip(self.class_names, dice, iou):
+            values[f"{stage}/dice_{name}"], values[f"{stage}/iou_{name}"] = float(d), float(j)
+        return values
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        images, targets = batch
+        mask = torch.stack([t["mask"] for t in targets])
+        logits = self(images)
+        self.log("val/loss", self._loss(logits, mask), on_epoch=True, batch_size=len(images))
+        self.update_metrics("val", logits, mask)
+        if batch_idx == 0 and self.hparams.grid_images:
+            n = self.hparams.grid_images
+            self._grid = (images[:n].detach().cpu(), mask[:n].cpu(), logits[:n].argmax(dim=1).cpu())
+
+    def on_validation_epoch_end(self) -> None:
+        values = self.compute_metrics("val")
+        self.log_dict(values)
+        if self.trainer.sanity_checking:
+            return
+        self._track_best(values)
+        writer = tensorboard_writer(self.trainer) if self.trainer.is_global_zero else None
+        if writer is not None and self._grid is not None:
+            writer.add_figure("val/segmentation", overlay_figure(*self._grid, self.class_names), self.current_epoch)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        images, targets = batch
+        self.update_metrics("test", self(images), torch.stack([t["mask"] for t in targets]))
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.compute_metrics("test"))
