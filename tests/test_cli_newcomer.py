@@ -260,9 +260,10 @@ def test_readme_and_help_name_papers_not_seed_numbers():
     texts["probe.py --help"] = parser.format_help()
     texts.update({f"configs/{p.name}": p.read_text() for p in (REPO / "configs").glob("*.yaml")})
     import vitlab.callbacks
-    from vitlab.training import ClassificationModule
+    from vitlab.data import DenseDataModule
+    from vitlab.training import ClassificationModule, DetectionModule, DINOModule, SegmentationModule
 
-    for obj in (ClassificationModule, MedicalDataModule, *(getattr(vitlab.callbacks, n) for n in vitlab.callbacks.__all__)):
+    for obj in (ClassificationModule, DetectionModule, SegmentationModule, DINOModule, MedicalDataModule, DenseDataModule, *(getattr(vitlab.callbacks, n) for n in vitlab.callbacks.__all__)):
         texts[f"train.py help of {obj.__name__}"] = obj.__doc__ or ""  # what --help / --*.help prints
     for where, text in texts.items():
         for word in ("seed 00", "Seed 00", "seeds 00", "SPEC"):

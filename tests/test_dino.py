@@ -205,5 +205,5 @@ def test_knn_monitor_mismatch_is_refused(tiny_dataset, tmp_path, capsys):
 
     cfg = dino_config(tiny_dataset, tmp_path / "runs", epochs=1)
     with pytest.raises(SystemExit):
-        train_main(["--config", str(cfg), "--model.init_args.knn_every_n_epochs", "2"])
+        train_main(["--config", str(cfg), "--model.knn_every_n_epochs", "2"])
     assert "knn_every_n_epochs = 2" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from vitlab.callbacks.drift import drift_tables
 from vitlab.callbacks.spectra import block_spectra
 from vitlab.tblog import write_json
 
-HELP = """Report which claims of seeds 000, 002 and 003 hold on a finished run: claims.md + claims.json.
+HELP = """Report which claims of the Drotos poster, Philip et al. and the Attentionless article hold on a finished run: claims.md + claims.json.
 
 Reads the run's Q/K/V snapshots (qkv/epoch_*.safetensors: the first vs the last epoch for drift, the last one for
 the QK spectra), and for the Attentionless article the best val/balanced_acc of ablation runs (their event files and config.yaml).

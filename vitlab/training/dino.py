@@ -1,4 +1,4 @@
-"""LightningModule for DINO self-supervised pretraining (seed 001; SPEC §9), labels ignored for training."""
+"""LightningModule for DINO self-supervised pretraining (the Veta lecture), labels ignored for training."""
 
 from __future__ import annotations
 
