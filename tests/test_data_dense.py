@@ -75,12 +75,17 @@ def test_instances_are_connected_components_per_class():
     assert boxes_of(inst).tolist() == [[0, 0, 2, 2], [5, 5, 9, 7], [7, 0, 9, 3]]
 
 
-@pytest.mark.parametrize("case", ["size", "value", "missing"])
+@pytest.mark.parametrize("case", ["size", "value", "missing", "dicom_seg"])
 def test_bad_pair_names_both_files_or_is_skipped(tmp_path, case):
     sample = planted(tmp_path, "b", [(4, 4, 6)], mask_size=40 if case == "size" else None, value=3 if case == "value" else 1)
     if case == "missing":
         sample.mask.unlink()
-    expected = {"size": "differs", "value": "label value(s) [3] not in the classes", "missing": "does not exist"}[case]
+    if case == "dicom_seg":  # a DICOM file where a label map is expected (no SEG reader): named, not misread
+        from pydicom.data import get_testdata_file
+
+        sample.mask.write_bytes(open(get_testdata_file("CT_small.dcm", download=False), "rb").read())
+    expected = {"size": "differs", "value": "label value(s) [3] not in the classes", "missing": "does not exist",
+                "dicom_seg": "DICOM (SEG) masks are not read"}[case]
     with pytest.raises(MaskError) as err:
         item(sample)
     message = str(err.value)

@@ -65,6 +65,12 @@ def resolve_config_args(args: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- typos
 
 
+def __getattr__(name: str):
+    if name == "VitlabArgumentParser":  # pickling (ddp_spawn) finds the class by this module-level name
+        return parser_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @cache
 def parser_class() -> type:
     """LightningArgumentParser whose errors start with the line that matters.
@@ -94,6 +100,7 @@ def parser_class() -> type:
             print(f"  (python {prog} --help lists every option)", file=sys.stderr)
             sys.exit(2)
 
+    VitlabArgumentParser.__qualname__ = "VitlabArgumentParser"
     return VitlabArgumentParser
 
 

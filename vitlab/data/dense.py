@@ -53,6 +53,9 @@ def read_mask(sample: Sample, num_classes: int) -> np.ndarray:
     where = f"mask {sample.mask} of image {sample.path}"
     if not Path(sample.mask).is_file():
         raise MaskError(f"{where}: mask file does not exist")
+    if _is_dicom(sample.mask):
+        raise MaskError(f"{where}: DICOM (SEG) masks are not read; export the segmentation as a PNG / TIFF label map "
+                        "(0 = background, 1..K = classes), e.g. with highdicom's Segmentation.get_pixels_by_source_frame")
     try:
         with Image.open(sample.mask) as img:
             mask = np.asarray(img)
@@ -65,6 +68,15 @@ def read_mask(sample: Sample, num_classes: int) -> np.ndarray:
     if bad.size:
         raise MaskError(f"{where}: label value(s) {bad.tolist()} not in the classes (0 = background, 1-{num_classes})")
     return mask
+
+
+def _is_dicom(path) -> bool:
+    """A DICOM file by its extension or its 'DICM' marker after the 128-byte preamble."""
+    if str(path).lower().endswith(".dcm"):
+        return True
+    with open(path, "rb") as handle:
+        head = handle.read(132)
+    return len(head) == 132 and head[128:] == b"DICM"
 
 
 def check_masks(samples: Sequence[Sample], num_classes: int, on_bad_file: str = "skip") -> tuple[list[Sample], list[str]]:

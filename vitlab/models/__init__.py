@@ -26,7 +26,6 @@ from vitlab.models.anatomy import (
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
 from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
-from vitlab.models.dense import DETECTION_HEADS, backbone_state, build_detector, build_segmenter
 from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
@@ -80,3 +79,14 @@ __all__ = [
     "transplant",
     "transplant_parts",
 ]
+
+
+_DENSE = ("DETECTION_HEADS", "backbone_state", "build_detector", "build_segmenter")
+
+
+def __getattr__(name: str):
+    if name in _DENSE:  # imported on first use: torchvision's detection models are slow to import (probe start-up)
+        from vitlab.models import dense
+
+        return getattr(dense, name)
+    raise AttributeError(f"module 'vitlab.models' has no attribute {name!r}")
