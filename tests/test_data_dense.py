@@ -30,7 +30,7 @@ def planted(tmp_path, name, squares, size=48, mask_size=None, value=1):
 
 def item(sample, *transforms, on_bad_file="error", num_classes=1):
     ds = DenseDataset([sample], ["a"], A.Compose([*transforms, NORM], seed=0), num_mask_classes=num_classes,
-                      on_bad_file=on_bad_file)
+                      mask_classes=["lesion", "cyst"][:num_classes], on_bad_file=on_bad_file)
     return ds[0]
 
 
@@ -176,3 +176,86 @@ def test_embedded_dataset_gives_lesion_boxes(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         pairs = [(s.label, dm.dataset("train")[i][1]) for i, s in enumerate(dm.samples("train"))]
     assert all((label == "lesion") == (len(t["boxes"]) > 0) for label, t in pairs)
+
+
+def boxed(sample, boxes, mask=True):
+    """``sample`` with a manifest ``boxes`` cell (and without its mask when ``mask`` is False)."""
+    from dataclasses import replace
+
+    return replace(sample, boxes=boxes, mask=sample.mask if mask else None)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["boxes_only", "boxes_and_mask"])
+def test_box_column_boxes_follow_a_flip(tmp_path, with_mask):
+    # loose boxes around the two planted squares (rows 8-19 x cols 10-21, rows 28-37 x cols 26-35)
+    sample = boxed(planted(tmp_path, "s", [(8, 10, 12), (28, 26, 10)]), "8 6 24 22 lesion; 26 28 36 38 1", with_mask)
+    for flip, expected in [(None, [[8, 6, 24, 22], [26, 28, 36, 38]]),
+                           (A.HorizontalFlip(p=1.0), [[48 - 24, 6, 48 - 8, 22], [48 - 36, 28, 48 - 26, 38]])]:
+        image, target = item(sample, *([flip] if flip else []))
+        assert target["boxes"].tolist() == expected and target["labels"].tolist() == [1, 1]  # the user's boxes, moved
+        bright = image[0].numpy() > 0.5
+        for box, inst in zip(target["boxes"].int().tolist(), target["masks"].numpy().astype(bool)):
+            x0, y0, x1, y1 = box
+            inside = np.zeros_like(inst)
+            inside[y0:y1, x0:x1] = True
+            # with a mask: the instance is the object's pixels in the box; without: the filled box
+            assert (inst == (bright & inside)).all() if with_mask else (inst == inside).all()
+        painted = target["mask"].numpy() == 1
+        assert (painted == bright).all() if with_mask else painted.sum() == 16 * 16 + 10 * 10
+
+
+def test_box_column_crop_drops_a_box_that_leaves_and_an_empty_cell_is_a_negative(tmp_path):
+    sample = boxed(planted(tmp_path, "s", [(2, 2, 8), (30, 30, 10)]), "2 2 10 10 1;30 30 40 40 1", mask=False)
+    _, target = item(sample, A.Crop(20, 20, 48, 48))
+    assert target["boxes"].tolist() == [[10, 10, 20, 20]] and target["masks"].shape == (1, 28, 28)
+    _, empty = item(boxed(sample, ""))
+    assert empty["boxes"].shape == (0, 4) and empty["masks"].shape == (0, 48, 48) and not empty["mask"].any()
+    _, from_mask = item(boxed(planted(tmp_path, "m", [(4, 6, 8)]), ""))  # empty cell with a mask: its components
+    assert from_mask["boxes"].tolist() == [[6, 4, 14, 12]]
+
+
+@pytest.mark.parametrize("cell,message", [
+    ("1 2 3 lesion", "expected 'x0 y0 x1 y1 label'"),
+    ("a 2 3 4 lesion", "not numbers"),
+    ("1 2 3 4 lesion extra", "expected 'x0 y0 x1 y1 label'"),
+    ("10 10 5 20 lesion", "x0 < x1 and y0 < y1"),
+    ("0 0 10 10 tumour", "label 'tumour' is not a class"),
+    ("0 0 10 10 2", "label '2' is not a class"),
+    ("0 0 60 10 lesion", "outside the 48x48 image"),
+])
+def test_bad_box_is_named_in_one_line_or_skipped(tmp_path, cell, message):
+    sample = boxed(planted(tmp_path, "s", [(4, 4, 8)]), f"4 4 12 12 lesion;{cell}", mask=False)
+    with pytest.raises(MaskError) as info:
+        ds = DenseDataset([sample], ["a"], A.Compose([NORM]), mask_classes=["lesion"], on_bad_file="error")
+        ds[0]
+    text = str(info.value)
+    assert message in text and "s.png" in text and f"box 2 {cell!r}" in text and "\n" not in text
+    good = planted(tmp_path, "g", [(4, 4, 8)])
+    ds = DenseDataset([sample, good], ["a"], A.Compose([NORM]), mask_classes=["lesion"], on_bad_file="skip")
+    with pytest.warns(SkippedFileWarning, match="box 2"):
+        _, target = ds[0]  # the bad row is skipped: the next pair is read
+    assert target["boxes"].tolist() == [[4, 4, 12, 12]]
+
+
+def test_manifest_boxes_column(tmp_path):
+    rows = []
+    for i in range(8):
+        s = planted(tmp_path, f"i{i}", [(4 + i, 6, 8)] if i % 2 else [])
+        cell = f"6 {4 + i} 14 {12 + i} lesion" if i % 2 else ""
+        rows.append((s.path.name, "lesion" if i % 2 else "none", f"P{i // 2}", s.mask.name if i < 4 else "", cell))
+    manifest = write_manifest(tmp_path / "m.csv", rows, header=("path", "label", "patient_id", "mask", "boxes"))
+    dm = DenseDataModule(root=str(manifest), image_size=48, num_workers=0, augment="none", val_fraction=0.25)
+    dm.setup()
+    pairs = [(s, dm.dataset(split)[i][1]) for split in ("train", "val") for i, s in enumerate(dm.samples(split))]
+    assert len(pairs) == 8
+    for s, target in pairs:
+        i = int(s.path.stem[1:])
+        assert target["boxes"].tolist() == ([[6, 4 + i, 14, 12 + i]] if i % 2 else [])
+    bad = write_manifest(tmp_path / "bad.csv", [*rows, (rows[1][0], "lesion", "P9", "", "6 4 14 12 cyst")],
+                         header=("path", "label", "patient_id", "mask", "boxes"))
+    with pytest.raises(MaskError, match="label 'cyst' is not a class: use one of \\['lesion'\\]"):
+        DenseDataModule(root=str(bad), image_size=48, num_workers=0, on_bad_file="error").setup()
+    with pytest.warns(SkippedFileWarning, match="cyst"):
+        skipping = DenseDataModule(root=str(bad), image_size=48, num_workers=0, on_bad_file="skip")
+        skipping.setup()
+    assert skipping.skipped_files == 1

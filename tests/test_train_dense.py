@@ -129,3 +129,24 @@ def test_segmentation_metric_path_perfect_and_empty():
     assert values["val/dice_lesion"] == 0.0 and values["val/iou"] == 0.0
     loss_perfect = module._loss(perfect, mask)
     assert loss_perfect < 0.01 < module._loss(-perfect, mask)
+
+
+def test_segmentation_refuses_rows_with_boxes_but_no_mask(tmp_path):
+    import pytorch_lightning as pl
+
+    from tests.test_data_dense import planted, write_manifest
+    from vitlab.data import DenseDataModule
+
+    rows = []
+    for i in range(6):
+        s = planted(tmp_path, f"i{i}", [(4, 6, 8)] if i % 2 else [], size=32)
+        rows.append((s.path.name, "lesion" if i % 2 else "none", f"P{i}", s.mask.name if i != 3 else "",
+                     "6 4 14 12 lesion" if i == 3 else ""))
+    manifest = write_manifest(tmp_path / "m.csv", rows, header=("path", "label", "patient_id", "mask", "boxes"))
+    dm = DenseDataModule(root=str(manifest), image_size=32, num_workers=0, batch_size=2, val_fraction=0.34)
+    module = SegmentationModule(num_classes=1, image_size=32, **SWIN)
+    trainer = pl.Trainer(fast_dev_run=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"segmentation needs a label map for every image: .*i3.png has a 'boxes' "
+                                         r"cell but no 'mask' \(1 such rows\)"):
+        trainer.fit(module, datamodule=dm)

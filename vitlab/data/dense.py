@@ -7,9 +7,12 @@ value ``i`` is ``mask_classes[i - 1]``. Where the masks are:
 * class folders: a parallel tree ``root/masks/<class>/<same relative path>.png`` (or ``.tif``);
 * COCO instances JSON (:func:`scan_coco`): polygons / RLE per annotation, rasterised into label maps.
 
-Instances for detection are the connected components of each class (``scipy.ndimage.label``);
-their boxes are computed after augmentation from the moved instance masks, so a box always follows
-its object and an instance that leaves the crop is dropped. An image without instances is a valid
+Instances for detection are the connected components of each class (``scipy.ndimage.label``),
+unless the manifest has a ``boxes`` column (:func:`parse_boxes`): a non-empty cell lists the image's boxes,
+whose instance masks are the mask's pixels of the box's class inside the box, or the filled box when the
+row has no mask (an empty cell: the mask's components, or no object without a mask). Boxes are computed
+after augmentation from the moved instance masks (user boxes: from the moved filled boxes), so a box always
+follows its object and an instance that leaves the crop is dropped. An image without instances is a valid
 negative (boxes of shape (0, 4)).
 """
 
@@ -79,12 +82,70 @@ def _is_dicom(path) -> bool:
     return len(head) == 132 and head[128:] == b"DICM"
 
 
-def check_masks(samples: Sequence[Sample], num_classes: int, on_bad_file: str = "skip") -> tuple[list[Sample], list[str]]:
-    """Read every mask once (missing file, label values); returns the usable samples and one message per drop."""
+BOX_FORMAT = "'x0 y0 x1 y1 label' in pixels (x1, y1 = edges after the last column / row), boxes separated by ';'"
+
+
+def parse_boxes(sample: Sample, mask_classes: Sequence[str],
+                size: tuple[int, int] | None = None) -> tuple[np.ndarray, list[int]]:
+    """The ``boxes`` cell of ``sample`` -> boxes (N, 4) float32 ``x0, y0, x1, y1`` and 1-based class ids.
+
+    Each box is ``x0 y0 x1 y1 label`` in the image's pixels (``label`` a name of ``mask_classes`` or its number
+    1..K); boxes are separated by ``;``. With ``size`` = (height, width) the boxes must lie inside the image.
+
+    Raises:
+        MaskError: A malformed box, x1 <= x0 or y1 <= y0, an unknown label or a box outside the image; the message
+            names the image, the box and what would be valid.
+    """
+    boxes, labels = [], []
+    items = [item.strip() for item in (sample.boxes or "").split(";") if item.strip()]
+    for number, item in enumerate(items, start=1):
+        where = f"boxes of image {sample.path}: box {number} {item!r}"
+        fields = item.split()
+        try:
+            x0, y0, x1, y1 = (float(v) for v in fields[:4])
+        except ValueError:
+            raise MaskError(f"{where}: coordinates are not numbers; expected {BOX_FORMAT}") from None
+        if len(fields) != 5 or not np.isfinite([x0, y0, x1, y1]).all():
+            raise MaskError(f"{where}: expected {BOX_FORMAT}")
+        if x1 <= x0 or y1 <= y0:
+            raise MaskError(f"{where}: needs x0 < x1 and y0 < y1 ({BOX_FORMAT})")
+        label = fields[4]
+        if label in mask_classes:
+            labels.append(list(mask_classes).index(label) + 1)
+        elif label.isdigit() and 1 <= int(label) <= len(mask_classes):
+            labels.append(int(label))
+        else:
+            raise MaskError(f"{where}: label {label!r} is not a class: use one of {list(mask_classes)} "
+                            f"or its number 1-{len(mask_classes)}")
+        if size is not None and (x0 < 0 or y0 < 0 or x1 > size[1] or y1 > size[0]):
+            raise MaskError(f"{where}: outside the {size[1]}x{size[0]} image (0 <= x0 < x1 <= {size[1]}, "
+                            f"0 <= y0 < y1 <= {size[0]})")
+        boxes.append((x0, y0, x1, y1))
+    return np.asarray(boxes, dtype=np.float32).reshape(-1, 4), labels
+
+
+def box_masks(boxes: np.ndarray, size: tuple[int, int]) -> list[np.ndarray]:
+    """Filled boxes as uint8 (H, W) masks; fractional edges are rounded outward."""
+    out = []
+    for x0, y0, x1, y1 in boxes:
+        m = np.zeros(size, dtype=np.uint8)
+        m[int(np.floor(y0)) : int(np.ceil(y1)), int(np.floor(x0)) : int(np.ceil(x1))] = 1
+        out.append(m)
+    return out
+
+
+def check_masks(samples: Sequence[Sample], num_classes: int, on_bad_file: str = "skip",
+                mask_classes: Sequence[str] | None = None) -> tuple[list[Sample], list[str]]:
+    """Read every mask and ``boxes`` cell once (missing file, label values, malformed boxes); returns the usable
+    samples and one message per drop."""
     kept, skipped = [], []
+    classes = list(mask_classes or [str(i) for i in range(1, num_classes + 1)])
     for sample in samples:
         try:
-            read_mask(sample, num_classes)
+            if sample.boxes:
+                parse_boxes(sample, classes)
+            if sample.mask is not None or sample.boxes is None:  # a boxes column makes the mask optional
+                read_mask(sample, num_classes)
         except MaskError as error:
             skip_or_raise(error, on_bad_file, skipped)
             continue
@@ -126,20 +187,25 @@ class DenseDataset(MedicalImageDataset):
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], transform: A.Compose, *,
-                 num_mask_classes: int = 1, **kwargs) -> None:
+                 num_mask_classes: int = 1, mask_classes: Sequence[str] | None = None, **kwargs) -> None:
         super().__init__(samples, class_names, transform, **kwargs)
         self.num_mask_classes = num_mask_classes
+        self.mask_classes = list(mask_classes or [str(i) for i in range(1, num_mask_classes + 1)])
 
-    def _pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def _pair(self, index: int) -> tuple[np.ndarray, np.ndarray | None, tuple[np.ndarray, list[int]] | None]:
+        """Image (H, W, C), label map (None for a boxes-only row) and the row's boxes (None: from the mask)."""
         sample = self.samples[index]
         image = self.load_array(index)
-        mask = read_mask(sample, self.num_mask_classes)
-        if mask.shape != image.shape[:2]:
-            raise MaskError(f"mask {sample.mask} of image {sample.path}: size {mask.shape[1]}x{mask.shape[0]} "
-                            f"differs from the image's {image.shape[1]}x{image.shape[0]}")
-        return image, mask
+        mask = None
+        if sample.mask is not None or sample.boxes is None:
+            mask = read_mask(sample, self.num_mask_classes)
+            if mask.shape != image.shape[:2]:
+                raise MaskError(f"mask {sample.mask} of image {sample.path}: size {mask.shape[1]}x{mask.shape[0]} "
+                                f"differs from the image's {image.shape[1]}x{image.shape[0]}")
+        boxes = parse_boxes(sample, self.mask_classes, image.shape[:2]) if sample.boxes else None
+        return image, mask, boxes
 
-    def _first_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def _first_pair(self, index: int) -> tuple[np.ndarray, np.ndarray | None, tuple[np.ndarray, list[int]] | None]:
         for offset in range(len(self)):
             candidate = (index + offset) % len(self)
             try:
@@ -154,23 +220,38 @@ class DenseDataset(MedicalImageDataset):
         raise RuntimeError(f"none of the {len(self)} image/mask pairs could be read (see the warnings above)")
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        image, mask = self._first_pair(index)
+        image, mask, user = self._first_pair(index)
         image = to_channels(image, self.in_chans)  # (H, W, C)
+        boxes, user_labels = user if user is not None else (None, [])
         if self.prescale_to:
             factor_image = integer_downscale(image, self.prescale_to)
             if factor_image.shape[:2] != image.shape[:2]:  # nearest for labels: every k-th pixel
                 k = image.shape[0] // factor_image.shape[0]
-                mask = mask[: factor_image.shape[0] * k : k, : factor_image.shape[1] * k : k]
+                mask = None if mask is None else mask[: factor_image.shape[0] * k : k, : factor_image.shape[1] * k : k]
+                boxes = None if boxes is None else boxes / k
             image = factor_image
-        inst, labels = instances(mask, self.num_mask_classes)
-        out = self.transform(image=image, mask=mask, masks=inst or [np.zeros_like(mask, dtype=np.uint8)])
-        moved = [np.asarray(m, dtype=np.uint8) for m in out["masks"]][: len(inst)]
-        keep = [i for i, m in enumerate(moved) if m.any()]  # an instance that left the crop is dropped
+        rects: list[np.ndarray] = []
+        if boxes is not None:  # the row's boxes: instance = the mask's class pixels in the box (no mask: the box)
+            rects, labels = box_masks(boxes, image.shape[:2]), user_labels
+            inst = rects if mask is None else [r * (mask == c) for r, c in zip(rects, labels)]
+        elif mask is not None:
+            inst, labels = instances(mask, self.num_mask_classes)
+        else:
+            inst, labels = [], []  # an empty boxes cell and no mask: a negative
+        if mask is None:  # a boxes-only row: the label map paints the boxes (later boxes win)
+            mask = np.zeros(image.shape[:2], dtype=np.int64)
+            for r, c in zip(rects, labels):
+                mask[r.astype(bool)] = c
+        out = self.transform(image=image, mask=mask, masks=[*inst, *rects] or [np.zeros_like(mask, dtype=np.uint8)])
+        moved = [np.asarray(m, dtype=np.uint8) for m in out["masks"]]
+        outline = moved[len(inst) :] if rects else moved[: len(inst)]  # what the boxes are measured on
+        moved = moved[: len(inst)]
+        keep = [i for i, m in enumerate(outline) if m.any()]  # an instance that left the crop is dropped
         picture = out["image"] if out["image"].ndim == 3 else out["image"][:, :, None]
         size = picture.shape[:2]
         target = {
             "mask": torch.from_numpy(np.asarray(out["mask"], dtype=np.int64)),  # (S, S)
-            "boxes": torch.from_numpy(boxes_of([moved[i] for i in keep])).reshape(-1, 4),  # (N, 4)
+            "boxes": torch.from_numpy(boxes_of([outline[i] for i in keep])).reshape(-1, 4),  # (N, 4)
             "labels": torch.tensor([labels[i] for i in keep], dtype=torch.int64),  # (N,)
             "masks": torch.from_numpy(np.stack([moved[i] for i in keep]) if keep
                                       else np.zeros((0, *size), dtype=np.uint8)),  # (N, S, S)

@@ -42,7 +42,7 @@ class DenseDataModule(MedicalDataModule):
         if self._samples is not None:
             return self._samples
         samples = super()._prepare()
-        kept, skipped = check_masks(samples, self.num_mask_classes, self.on_bad_file)
+        kept, skipped = check_masks(samples, self.num_mask_classes, self.on_bad_file, self.mask_classes)
         self.skipped_files += len(skipped)
         self._samples = kept
         return kept
@@ -51,7 +51,7 @@ class DenseDataModule(MedicalDataModule):
         """Image + mask dataset of one split; ``augmented`` moves the masks with the image."""
         return DenseDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
-            num_mask_classes=self.num_mask_classes, in_chans=self.in_chans, read_options=self.read_options,
+            num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
         )  # fmt: skip
 

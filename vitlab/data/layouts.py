@@ -31,7 +31,7 @@ import numpy as np
 from vitlab.data.io import SUPPORTED_TYPES, ImageReadError, header_info, image_kind
 
 SPLITS = ("train", "val", "test")
-MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "mask")
+MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "mask", "boxes")
 MASKS_FOLDER = "masks"  # class-folder layout: root/masks/<class>/<relative path>.png holds the label maps
 
 
@@ -50,6 +50,8 @@ class Sample:
             None until :func:`check_files` has run.
         split: ``"train"``, ``"val"``, ``"test"`` or None when not assigned yet.
         mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.dense`), or None.
+        boxes: The manifest's ``boxes`` cell (``"x0 y0 x1 y1 label;..."``, see :func:`vitlab.data.dense.parse_boxes`;
+            ``""`` for an empty cell), or None without a ``boxes`` column.
     """
 
     path: Path
@@ -57,6 +59,7 @@ class Sample:
     patient_id: str | None = None
     split: str | None = None
     mask: Path | None = None
+    boxes: str | None = None
 
 
 @dataclass
@@ -187,7 +190,7 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
             skip_or_raise(error_type(f"manifest {manifest} line {line}: {path} {reason}"), on_bad_file, skipped)
             continue
         mask = (manifest.parent / cell["mask"]).resolve() if cell.get("mask") else None
-        samples.append(Sample(path, cell["label"], cell.get("patient_id") or None, split, mask))
+        samples.append(Sample(path, cell["label"], cell.get("patient_id") or None, split, mask, cell.get("boxes")))
     if not samples:
         raise ValueError(f"manifest {manifest} lists no usable image files")
     return Layout(samples=samples, class_names=[], has_split_column="split" in column, skipped=skipped)

@@ -68,7 +68,9 @@ def run(ctx: ProbeContext) -> None:
         variants.append(Variant(f"no {'+'.join(names)}", model, functools.partial(models.ablated, model, names, blocks)))
     layers = resolve_layers(model, args.layers)
     images = ctx.images(default_count=4)
-    if args.accuracy_images > 0:
+    if args.accuracy_images > 0 and not ctx.loaded.head_trained:
+        print(f"probe.py ablate: {ctx.loaded.untrained_head('accuracy skipped')}")
+    elif args.accuracy_images > 0:
         accuracy(ctx, variants)
     run_survey(ctx, images, variants, layers)
 

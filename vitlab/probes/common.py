@@ -71,6 +71,17 @@ class LoadedModel:
     data: dict[str, Any] | None = None  # the training config's data section, when known
     class_names: list[str] | None = None  # names of the head's outputs, when the checkpoint knows them
     run: str | None = None  # "<name>-<version>" when the checkpoint lives in a run folder (names the output folder)
+    task: str = "classification"  # "detection" / "segmentation": a dense checkpoint's backbone in a fresh classifier
+
+    @property
+    def head_trained(self) -> bool:
+        """False for a detection / segmentation checkpoint: the classifier head around its backbone is untrained."""
+        return self.task == "classification"
+
+    def untrained_head(self, what: str) -> str:
+        """One line saying why ``what`` (a use of the classifier head's outputs) is not done for this model."""
+        return (f"{what}: {self.source} is a {self.task} checkpoint; its backbone is probed inside a classifier whose "
+                "head is freshly initialised (untrained), so its class outputs mean nothing")
 
     def fresh(self, seed: int = 0) -> nn.Module:
         """An untrained model of the same architecture (for transplant / untrained baselines)."""
@@ -109,7 +120,10 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
                 checkpoint = last
             else:
                 hp = cfg.get("model") or {}
-                build = dict(name=hp.get("model_name"), num_classes=_num_classes(data), in_chans=data.get("in_chans", 1), **(hp.get("model_kwargs") or {}))
+                kwargs = dict(hp.get("model_kwargs") or {})
+                if cfg.get("task") in ("detection", "segmentation") and "img_size" not in kwargs:  # its backbone's input
+                    kwargs["img_size"] = hp.get("image_size") or data.get("image_size") or 224
+                build = dict(name=hp.get("model_name"), num_classes=_num_classes(data), in_chans=data.get("in_chans", 1), **kwargs)
                 model = models.build_model(**build)
                 return LoadedModel(_prepare(model, hp.get("ablate"), device), str(build["name"]), f"{config} (untrained: no checkpoints/last.ckpt beside it)", build, data)
     if checkpoint is not None:
@@ -123,9 +137,10 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **kwargs)
         model = models.build_model(**build)
         models.load_weights(model, state)
-        names = hp.get("class_names")
+        task = checkpoint_task(state)
+        names = hp.get("class_names") if task == "classification" else None  # a dense model's classes are not the head's
         return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data,
-                           list(names) if names else None, run_label(Path(checkpoint)))
+                           list(names) if names else None, run_label(Path(checkpoint)), task)
     if name is None:
         raise ValueError(f"no model given: use {flag}checkpoint PATH.ckpt, {flag}config RUN/config.yaml or {flag}model NAME [{flag}pretrained | {flag}weights FILE]")
     kwargs = json.loads(get("model_kwargs")) if get("model_kwargs") else {}
@@ -142,6 +157,15 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
             f"(a timm/torchvision state_dict, .safetensors file or vitlab checkpoint) instead, or drop {flag}pretrained "
             "to probe an untrained model") from None
     return LoadedModel(_prepare(model, None, device), name, str(get("weights") or ("pretrained" if get("pretrained") else "untrained")), build, data)
+
+
+def checkpoint_task(state: dict[str, torch.Tensor]) -> str:
+    """``detection`` / ``segmentation`` for a vitlab dense checkpoint's state dict (its backbone sits under
+    ``model.backbone.body.``; a detector has a region proposal network), else ``classification``."""
+    # vitlab.models.dense.BACKBONE_PREFIX, spelled out: importing it would load torchvision's detection (slow start-up)
+    if not any(key.startswith("model.backbone.body.") for key in state):
+        return "classification"
+    return "detection" if any(key.startswith("model.rpn.") for key in state) else "segmentation"
 
 
 def run_label(checkpoint: Path) -> str | None:
@@ -182,14 +206,22 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def _num_classes(data: dict[str, Any]) -> int:
-    from vitlab.data import MedicalDataModule
-
-    return MedicalDataModule(**_datamodule_args(data)).num_classes
+    return _data_module(data).num_classes
 
 
 def _datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
     keep = {"root", "in_chans", "window", "window_center", "window_width", "window_index", "frames", "val_fraction", "test_fraction", "seed", "on_bad_file", "mean", "std", "embedded_kwargs", "classes"}
     return {k: v for k, v in (data or {}).items() if k in keep}
+
+
+def _data_module(data: dict[str, Any], **overrides: Any):
+    """The data module of a training config's data section (a detection run's COCO JSON through the dense one)."""
+    from vitlab.data import DenseDataModule, MedicalDataModule
+
+    args = {**_datamodule_args(data), **overrides}
+    if (data or {}).get("coco_json"):  # its images are those of the JSON, not of `root`
+        return DenseDataModule(**args, coco_json=data["coco_json"], coco_mask_dir=data.get("coco_mask_dir"))
+    return MedicalDataModule(**args)
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -252,13 +284,13 @@ def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: i
     if args.images:
         files = _expand_images(args.images)[:count]
         return ImageStream(len(files), lambda i: (_to_tensor(read_image(files[i]), in_chans, height, width), None, str(files[i])), mean, std, False)
-    dm = MedicalDataModule(**{**_datamodule_args(loaded.data or {}), "in_chans": in_chans, "image_size": height, "augment": "none", "num_workers": 0, "mean": [0.0] * in_chans, "std": [1.0] * in_chans})
+    dm = _data_module(loaded.data or {}, in_chans=in_chans, image_size=height, augment="none", num_workers=0, mean=[0.0] * in_chans, std=[1.0] * in_chans)
     samples = dm.samples(split)
     if not samples:
         raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(samples), generator=generator)[:count].tolist()
-    dataset = dm.dataset(split)
+    dataset = MedicalDataModule.dataset(dm, split)  # (image, label) items, also for a dense data module
 
     def read(i: int) -> tuple[torch.Tensor, int, str]:
         image, label = dataset[order[i]]

@@ -45,6 +45,8 @@ def run(ctx: ProbeContext) -> None:
     variants = [Variant("untrained", untrained)]
     copied: dict[str, list[list]] = {}
     for parts in args.parts:
+        if "head" in parts and not ctx.loaded.head_trained:
+            raise ValueError(ctx.loaded.untrained_head(f"--parts {','.join(parts)}"))
         recipient = ctx.loaded.fresh(seed=args.seed).to(ctx.device)  # same draw as `untrained`
         try:
             report = models.transplant(recipient, trained, parts)

@@ -79,6 +79,11 @@ def run(ctx: ProbeContext) -> None:
     with torch.no_grad():
         num_classes = model(probe_input).shape[1]
     classes = _classes(args.classes, num_classes)
+    if classes and not ctx.loaded.head_trained:
+        if args.classes != "all":  # asked for explicitly: refuse
+            raise ValueError(ctx.loaded.untrained_head(f"--classes {args.classes}") + "; use --classes none --neurons ...")
+        print(f"probe.py visualize: {ctx.loaded.untrained_head('class visualisation skipped')}")
+        classes = []
     neurons = _neurons(model, args.neurons, probe_input)
     if not classes and not neurons:
         raise ValueError("nothing to visualise: --classes none and --neurons none")

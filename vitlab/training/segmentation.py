@@ -105,6 +105,16 @@ class SegmentationModule(TaskModule):
             setattr(self, f"{stage}_iou", MulticlassJaccardIndex(k, average="none"))
         self._grid: tuple | None = None
 
+    def setup(self, stage: str) -> None:
+        """A manifest row with ``boxes`` but no ``mask`` has no label map to learn: one line, before any step."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None or not hasattr(datamodule, "samples"):
+            return
+        boxed = [s for split in ("train", "val", "test") for s in datamodule.samples(split) if s.mask is None]
+        if boxed:
+            raise ValueError(f"segmentation needs a label map for every image: {boxed[0].path} has a 'boxes' cell but no "
+                             f"'mask' ({len(boxed)} such rows); add the masks, or train these boxes with task: detection")
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, K+1, H, W)
         return self.model(images)
 
