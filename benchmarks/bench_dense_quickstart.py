@@ -10,6 +10,10 @@ CPU-s / 2 and the training process's own CPU time (its one thread is the critica
 optimizer), the validation loop (forward + COCO mAP / Dice), the Q/K/V callbacks, and the rest (start-up,
 data set-up and the embedded set's generation with ``--fresh-cache``, checkpoints, logging).
 
+Before the runs, the detection quickstart's training step with its ``head_kwargs`` (fewer RPN boxes and
+RoIs, one RoIAlign sample per bin) against ``heads: light``'s defaults: CPU time per step on the same real
+batches, interleaved.
+
 Goals (issue 9): each quickstart <= 5 min on 2 quiet cores; val box mAP@0.5 >= 0.5 (detection), val lesion
 Dice >= 0.6 (segmentation).
 """
@@ -109,6 +113,48 @@ def final_metrics(run_dir: str, tags: tuple[str, ...]) -> dict[str, tuple[float,
     return {t: (acc.Scalars(t)[-1].value, max(e.value for e in acc.Scalars(t))) for t in tags}
 
 
+def head_step_ratio(steps: int = 12, repeats: int = 3) -> None:
+    """CPU per training step: the quickstart's ``head_kwargs`` vs ``light``'s defaults (same batches, interleaved)."""
+    import torch
+    import yaml
+
+    from vitlab.data import DenseDataModule
+    from vitlab.training import DetectionModule
+
+    torch.set_num_threads(1)  # as in a quickstart run on 2 cores (one thread beside one loader worker)
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart_detection.yaml").read_text())
+    data = DenseDataModule(**{**cfg["data"], "num_workers": 0})
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    batches = [next(batches) for _ in range(steps + 2)]
+    runs = {}
+    for name, heads in (("light defaults", {}), ("quickstart head_kwargs", cfg["model"]["head_kwargs"])):
+        torch.manual_seed(0)
+        module = DetectionModule(num_classes=1, image_size=cfg["data"]["image_size"],
+                                 **{**cfg["model"], "head_kwargs": heads}).train()
+        runs[name] = (module.model, torch.optim.AdamW(module.parameters(), lr=1e-3), [])
+
+    def step(model, optimizer, batch) -> None:
+        images, targets = batch
+        loss = sum(model(list(images), targets).values())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for model, optimizer, _ in runs.values():
+        for batch in batches[:2]:  # warm-up
+            step(model, optimizer, batch)
+    for _ in range(repeats):
+        for model, optimizer, times in runs.values():
+            start = time.process_time()
+            for batch in batches[2:]:
+                step(model, optimizer, batch)
+            times.append((time.process_time() - start) / steps)
+    base = min(runs["light defaults"][2])
+    for name, (_, _, times) in runs.items():
+        print(f"detection training step, {name:22s}: {min(times) * 1e3:6.1f} ms CPU  ({min(times) / base:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", nargs="+", choices=sorted(METRICS), default=sorted(METRICS))
@@ -117,6 +163,8 @@ def main() -> None:
     print(f"machine: {len(os.sched_getaffinity(0))} usable cores, load average {os.getloadavg()[0]:.1f} "
           "(shared: wall time is an upper bound, CPU time is not inflated by other jobs)")
     with tempfile.TemporaryDirectory(prefix="vitlab-bench-dense-") as tmp:
+        if "detection" in opts.task:
+            head_step_ratio()
         for task in opts.task:
             cache = str(Path(tmp) / f"cache-{task}") if opts.fresh_cache else None
             result, wall, cpu = run(task, str(Path(tmp) / "runs"), cache)

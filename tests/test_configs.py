@@ -65,6 +65,7 @@ TINY_BACKBONES = {  # the full-scale dense configs' recipe (heads, optimizer gro
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(TINY_BACKBONES))
 def test_full_scale_dense_config_trains_one_step_on_a_tiny_backbone(config, tmp_path, monkeypatch):
     import json
