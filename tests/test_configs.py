@@ -73,7 +73,7 @@ def test_full_scale_dense_config_trains_one_step_on_a_tiny_backbone(config, tmp_
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
     name, kwargs = TINY_BACKBONES[config]
     cli = fit([
-        "--config", str(Path("configs") / f"{config}.yaml"), "--model.model_name", name, "--model.pretrained", "false",
+        "--config", str(CONFIGS[0].parent / f"{config}.yaml"), "--model.model_name", name, "--model.pretrained", "false",
         "--model.model_kwargs", json.dumps(kwargs), "--data.embedded_kwargs", '{"patients": 4, "slices": 2, "size": 32}',
         "--data.image_size", "32", "--data.num_workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
