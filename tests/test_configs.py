@@ -16,7 +16,8 @@ SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickst
 
 def test_all_configs_listed():
     names = {c.stem for c in CONFIGS}
-    assert {"quickstart", "medical_swin", "medical_vit", "mixer", "ablation_residual", "ablation_layernorm", "ablation_attention", "ablation_mlp"} <= names
+    assert {"quickstart", "medical_swin", "medical_vit", "mixer", "ablation_residual", "ablation_layernorm", "ablation_attention", "ablation_mlp",
+            "quickstart_detection", "quickstart_segmentation", "medical_swin_maskrcnn", "medical_vit_maskrcnn"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
@@ -57,7 +58,35 @@ def test_dense_config_trains_one_step(config, tmp_path, monkeypatch):
     assert cli.trainer.global_step == 1 and cli.model.hparams.image_size == 32
 
 
-@pytest.mark.parametrize("config", ["medical_swin", "medical_vit", "medical_swin_maskrcnn"])
+TINY_BACKBONES = {  # the full-scale dense configs' recipe (heads, optimizer groups, layer decay) on a tiny backbone
+    "medical_swin_maskrcnn": ("swin_tiny_patch4_window7_224",
+                              {"patch_size": 4, "embed_dim": 16, "depths": [2, 2], "num_heads": [1, 2], "window_size": 4}),
+    "medical_vit_maskrcnn": ("vit_tiny_patch16_224", {"patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(TINY_BACKBONES))
+def test_full_scale_dense_config_trains_one_step_on_a_tiny_backbone(config, tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    name, kwargs = TINY_BACKBONES[config]
+    cli = fit([
+        "--config", str(CONFIGS[0].parent / f"{config}.yaml"), "--model.model_name", name, "--model.pretrained", "false",
+        "--model.model_kwargs", json.dumps(kwargs), "--data.embedded_kwargs", '{"patients": 4, "slices": 2, "size": 32}',
+        "--data.image_size", "32", "--data.num_workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
+        "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
+        "--trainer.devices", "1", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ])
+    assert cli.trainer.global_step == 1 and cli.model.hparams.heads == "full"
+    assert cli.model.model.backbone.is_plain == config.startswith("medical_vit")
+    scales = {round(g["initial_lr"] / cli.model.hparams.lr, 6) for g in cli.trainer.optimizers[0].param_groups}
+    assert (len(scales) > 2) == (cli.model.hparams.layer_decay is not None)  # layer-wise decay reached the backbone
+
+
+@pytest.mark.parametrize("config", ["medical_swin", "medical_vit", "medical_swin_maskrcnn", "medical_vit_maskrcnn"])
 def test_pretrained_offline_fails_fast_with_a_way_forward(config, tiny_dataset, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()

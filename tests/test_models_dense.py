@@ -82,6 +82,35 @@ def test_light_and_full_heads_and_bad_keys():
         models.build_detector(*SWIN[:1], 1, image_size=64, model_kwargs=SWIN[1], fpn_chans=3)
 
 
+def test_roi_sampling_ratio_reaches_both_roi_pools():
+    from collections import OrderedDict
+
+    default = models.build_detector(*SWIN[:1], 1, in_chans=1, image_size=64, model_kwargs=SWIN[1])
+    cheap = models.build_detector(*SWIN[:1], 1, in_chans=1, image_size=64, model_kwargs=SWIN[1], roi_sampling_ratio=1)
+    assert default.roi_heads.box_roi_pool.sampling_ratio == default.roi_heads.mask_roi_pool.sampling_ratio == 2
+    assert cheap.roi_heads.box_roi_pool.sampling_ratio == cheap.roi_heads.mask_roi_pool.sampling_ratio == 1
+    torch.manual_seed(0)
+    feats = OrderedDict([("0", torch.randn(1, 3, 16, 16)), ("1", torch.randn(1, 3, 8, 8))])
+    box = [torch.tensor([[0.0, 0.0, 42.0, 42.0]])]  # level "0" (stride 4): 7 x 7 bins of 1.5 feature pixels
+    f = feats["0"][0]
+
+    def bilinear(y: float, x: float) -> torch.Tensor:  # independent of torchvision: (3,) feature at (y, x)
+        y0, x0 = int(y), int(x)
+        wy, wx = y - y0, x - x0
+        return ((1 - wy) * (1 - wx) * f[:, y0, x0] + (1 - wy) * wx * f[:, y0, x0 + 1]
+                + wy * (1 - wx) * f[:, y0 + 1, x0] + wy * wx * f[:, y0 + 1, x0 + 1])
+
+    for detector, n in ((cheap, 1), (default, 2)):  # n x n samples per bin, averaged
+        pooled = detector.roi_heads.box_roi_pool(feats, box, [(64, 64)])[0]  # (3, 7, 7)
+        offsets = [(s + 0.5) * 1.5 / n for s in range(n)]
+        expected = torch.stack([torch.stack([
+            torch.stack([bilinear(1.5 * i + dy, 1.5 * j + dx) for dy in offsets for dx in offsets]).mean(0)
+            for j in range(7)], dim=-1) for i in range(7)], dim=-2)
+        assert torch.allclose(pooled, expected, atol=1e-5), n
+    with pytest.raises(ValueError, match="roi_sampling_ratio must be an int >= 0.*-1"):
+        models.build_detector(*SWIN[:1], 1, image_size=64, model_kwargs=SWIN[1], roi_sampling_ratio=-1)
+
+
 def test_parameter_groups_cover_heads_once():
     detector = models.build_detector(*SWIN[:1], 1, in_chans=1, image_size=64, model_kwargs=SWIN[1])
     for decay in (None, 0.8):

@@ -38,10 +38,10 @@ BACKBONE_PREFIX = "backbone.body."  # where the timm model's state dict sits ins
 DETECTION_HEADS: dict[str, dict[str, Any]] = {
     "light": dict(fpn_channels=64, box_head_dim=128, mask_channels=[64, 64], anchor_base=8,
                   rpn_post_nms_top_n_train=100, rpn_post_nms_top_n_test=100, box_batch_size_per_image=32,
-                  rpn_pre_nms_top_n_train=500, rpn_pre_nms_top_n_test=300),
+                  rpn_pre_nms_top_n_train=500, rpn_pre_nms_top_n_test=300, roi_sampling_ratio=2),
     "full": dict(fpn_channels=256, box_head_dim=1024, mask_channels=[256, 256, 256, 256], anchor_base=32,
                  rpn_post_nms_top_n_train=2000, rpn_post_nms_top_n_test=1000, box_batch_size_per_image=512,
-                 rpn_pre_nms_top_n_train=2000, rpn_pre_nms_top_n_test=1000),
+                 rpn_pre_nms_top_n_train=2000, rpn_pre_nms_top_n_test=1000, roi_sampling_ratio=2),
 }
 
 
@@ -152,6 +152,9 @@ def build_detector(name: str, num_classes: int, in_chans: int = 1, image_size: i
     if unknown:
         raise ValueError(f"unknown detection head key(s) {unknown}; valid: {', '.join(DETECTION_HEADS[heads])}")
     cfg = {**DETECTION_HEADS[heads], **overrides}
+    if not isinstance(cfg["roi_sampling_ratio"], int) or cfg["roi_sampling_ratio"] < 0:
+        raise ValueError(f"roi_sampling_ratio must be an int >= 0 (samples per RoI bin side; 0: adaptive), "
+                         f"got {cfg['roi_sampling_ratio']!r}")
     kwargs = {"img_size": image_size, **(model_kwargs or {})}
     backbone = _backbone(name, in_chans, pretrained, weights, kwargs, cfg["fpn_channels"])
     sizes = tuple((int(cfg["anchor_base"] * 2**i),) for i in range(backbone.num_levels))
@@ -165,10 +168,10 @@ def build_detector(name: str, num_classes: int, in_chans: int = 1, image_size: i
         rpn_pre_nms_top_n_train=cfg["rpn_pre_nms_top_n_train"], rpn_pre_nms_top_n_test=cfg["rpn_pre_nms_top_n_test"],
         rpn_post_nms_top_n_train=cfg["rpn_post_nms_top_n_train"],
         rpn_post_nms_top_n_test=cfg["rpn_post_nms_top_n_test"],
-        box_roi_pool=MultiScaleRoIAlign(names, 7, 2), box_head=TwoMLPHead(c * 7 * 7, dim),
+        box_roi_pool=MultiScaleRoIAlign(names, 7, cfg["roi_sampling_ratio"]), box_head=TwoMLPHead(c * 7 * 7, dim),
         box_predictor=FastRCNNPredictor(dim, num_classes + 1),
         box_batch_size_per_image=cfg["box_batch_size_per_image"],
-        mask_roi_pool=MultiScaleRoIAlign(names, 14, 2), mask_head=MaskRCNNHeads(c, cfg["mask_channels"], 1),
+        mask_roi_pool=MultiScaleRoIAlign(names, 14, cfg["roi_sampling_ratio"]), mask_head=MaskRCNNHeads(c, cfg["mask_channels"], 1),
         mask_predictor=MaskRCNNPredictor(cfg["mask_channels"][-1], cfg["mask_channels"][-1], num_classes + 1),
     )
 
