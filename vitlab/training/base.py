@@ -62,9 +62,16 @@ class TaskModule(pl.LightningModule):
         for logger in self.loggers:
             logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
 
+    def optimizer_groups(self) -> list[dict]:
+        """AdamW groups of ``self.model`` (:func:`vitlab.models.parameter_groups`: no weight decay on norms, biases,
+        position tables; ``lr_scale`` from ``layer_decay``). A task with trainable modules outside ``self.model``
+        (DINO's projection head) appends its groups here."""
+        hp = self.hparams
+        return models.parameter_groups(self.model, weight_decay=hp.weight_decay, layer_decay=hp.get("layer_decay"))
+
     def configure_optimizers(self):
         hp = self.hparams
-        groups = models.parameter_groups(self.model, weight_decay=hp.weight_decay, layer_decay=hp.layer_decay)
+        groups = [group for group in self.optimizer_groups() if group["params"]]
         for group in groups:
             group["lr"] = hp.lr * group.pop("lr_scale", 1.0)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr)
