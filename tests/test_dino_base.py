@@ -86,3 +86,18 @@ def test_ablation_reaches_student_and_teacher():
         student = ablated.head(ablated.model.forward_features(images)[:, 0])
     assert not torch.allclose(a, b, atol=1e-4)
     assert torch.allclose(teacher, student, atol=1e-6)  # the teacher is a copy of the ablated student
+
+
+def test_picklable_for_ddp_spawn_and_deep_copyable_after_a_step():
+    import copy
+    import pickle
+
+    torch.manual_seed(4)
+    module = DINOModule(**TINY)
+    x = torch.randn(3, 32)
+    module.head(x).sum().backward()  # the weight-normed last layer now holds a non-leaf weight
+    for clone in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):
+        assert torch.equal(clone.head(x), module.head(x))
+        assert clone.state_dict().keys() == module.state_dict().keys()
+        clone.head(x).sum().backward()
+        assert clone.head.last_layer.weight_v.grad is not None  # the clone still trains its head

@@ -154,10 +154,10 @@ class DINOModule(TaskModule):
         loss = self.criterion(teacher, student, teacher_temp=temp)
         n = len(images)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=n)
-        self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n)
-        self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n)
-        self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n)
-        self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n)
+        self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
         return loss
 
     def on_train_epoch_start(self) -> None:
@@ -171,7 +171,7 @@ class DINOModule(TaskModule):
         m = self.momentum()
         update_momentum(self.model, self.teacher_model, m)
         update_momentum(self.head, self.teacher_head, m)
-        self.log("dino/momentum", m, on_step=False, on_epoch=True)
+        self.log("dino/momentum", m, on_step=False, on_epoch=True, sync_dist=True)  # (epoch means over the ranks)
 
     def setup(self, stage: str) -> None:
         every = self.hparams.knn_every_n_epochs
