@@ -54,6 +54,7 @@ def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
     names = sorted(p.name for p in (ddp / "qkv").iterdir() if not p.name.startswith("."))
     assert names == sorted(p.name for p in (single / "qkv").iterdir() if not p.name.startswith("."))
     assert "epoch_002.safetensors" in names
+    assert [n for n in names if n.endswith(".csv")] == ["drift_epoch_001.csv", "drift_epoch_002.csv", "spectra_epoch_000.csv", "spectra_epoch_001.csv", "spectra_epoch_002.csv"]
 
     # same weights after training (gradient all-reduce vs one big batch: float rounding only)
     a, _ = load_snapshot(single / "qkv" / "epoch_002.safetensors")
@@ -64,6 +65,16 @@ def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
 
     # and the same drift / spectra metrics in TensorBoard
     ea, eb = events(single), events(ddp)
+    for kind in ("scalars", "histograms", "images", "tensors"):
+        assert sorted(eb.Tags()[kind]) == sorted(ea.Tags()[kind]), kind
+        for tag in eb.Tags()[kind]:  # two processes write what one does: rank 0 writes, the others only join collectives
+            steps = [e.step for e in getattr(eb, kind.capitalize())(tag)]
+            assert steps == [e.step for e in getattr(ea, kind.capitalize())(tag)], (tag, steps)
+            # one point per step; the one exception: the fit-start spectra (step 0) meet epoch 1's, which in these
+            # one-batch epochs is written at the epoch's last step, 0 (the single process alike)
+            repeated = sorted({s for s in steps if steps.count(s) > 1})
+            assert tag == "epoch" or not repeated or (tag.startswith("spectra") and repeated == [0]), (tag, steps)
+    assert "hp/best_val_acc" in eb.Tags()["scalars"]
     tags = [t for t in ea.Tags()["scalars"] if t.startswith(("drift/", "drift_global/", "spectra/"))]
     assert len(tags) > 50 and set(tags) <= set(eb.Tags()["scalars"])
     for tag in tags:
