@@ -12,6 +12,9 @@ from tests.test_train_e2e import TINY_SWIN, events
 from vitlab.callbacks._state import load_snapshot
 from vitlab.cli import fit
 
+# a collective that one rank never reaches fails after 3 minutes instead of hanging the suite
+DDP_SPAWN = {"class_path": "pytorch_lightning.strategies.DDPStrategy", "init_args": {"start_method": "spawn", "timeout": "0:03:00"}}
+
 
 def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:
     cfg = {
@@ -20,7 +23,7 @@ def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:
             "max_epochs": 2,
             "accelerator": "cpu",
             "devices": devices,
-            "strategy": "ddp_spawn" if devices > 1 else "auto",
+            "strategy": DDP_SPAWN if devices > 1 else "auto",
             "limit_train_batches": 1,  # one step per epoch over the whole train split: order cannot matter
             "num_sanity_val_steps": 0,
             "enable_progress_bar": False,

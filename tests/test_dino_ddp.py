@@ -13,6 +13,7 @@ from pytorch_lightning.callbacks import Callback
 
 pytest.importorskip("lightly")
 
+from tests.test_callbacks_ddp import DDP_SPAWN  # noqa: E402
 from tests.test_dino import TINY  # noqa: E402
 from tests.test_train_e2e import events  # noqa: E402
 
@@ -55,7 +56,7 @@ def ddp_config(manifest: Path, save_dir: Path, probe: Path, epochs: int) -> list
         "seed_everything": 0,
         "task": "dino",
         "trainer": {
-            "max_epochs": epochs, "accelerator": "cpu", "devices": 2, "strategy": "ddp_spawn", "log_every_n_steps": 1,
+            "max_epochs": epochs, "accelerator": "cpu", "devices": 2, "strategy": DDP_SPAWN, "log_every_n_steps": 1,
             "num_sanity_val_steps": 0, "enable_progress_bar": False, "enable_model_summary": False,
             "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger", "init_args": {"save_dir": str(save_dir), "name": "dino", "default_hp_metric": False}},
             "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
