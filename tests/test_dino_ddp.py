@@ -44,6 +44,7 @@ class RankProbe(Callback):
         sampler = torch.utils.data.DistributedSampler(range(GATHER_ROWS), num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
         rows = torch.tensor(list(sampler), dtype=torch.float32)[:, None] * torch.ones(1, 3)  # (rows of this rank, 3)
         self.record["gathered"] = module._gather_shards(rows, GATHER_ROWS)[:, 0].tolist()
+        self.record["val_sampler"] = type(trainer.val_dataloaders.sampler).__name__  # what DINO gathers from
 
     def on_train_end(self, trainer, module) -> None:
         self.record.update(rank=trainer.global_rank, world=trainer.world_size, centre_at_end=module.criterion.center.flatten().tolist())
@@ -104,6 +105,7 @@ def test_dino_ddp_writes_once_reduces_the_centre_scores_knn_and_resumes(tmp_path
     assert first[0]["centre_at_end"] == first[1]["centre_at_end"] and any(v != 0 for v in first[0]["centre_at_end"])
     # the sampler's shards gathered back in dataset order, its padding dropped, on both ranks
     assert all(r["gathered"] == [float(i) for i in range(GATHER_ROWS)] for r in first)
+    assert all(r["val_sampler"] == "DistributedSampler" for r in first)
 
     # teacher and centre in the checkpoint (the centre rank 0 ended with)
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

@@ -197,8 +197,8 @@ class DINOModule(TaskModule):
         val_x, val_y = torch.cat(self._val_features), torch.cat(self._val_labels)
         self._val_features, self._val_labels = [], []
         loader = self.trainer.val_dataloaders
-        total = len(loader.dataset) if isinstance(loader, torch.utils.data.DataLoader) else len(val_x) * self.trainer.world_size
-        val_x, val_y = self._gather_shards(val_x, total), self._gather_shards(val_y, total)
+        if isinstance(getattr(loader, "sampler", None), torch.utils.data.DistributedSampler):  # DDP: this rank's share
+            val_x, val_y = self._gather_shards(val_x, len(loader.dataset)), self._gather_shards(val_y, len(loader.dataset))
         train_x, train_y = self.train_bank()
         score = weighted_knn(train_x, train_y, val_x, val_y, k=self.hparams.knn_k, temperature=self.hparams.knn_temperature)
         values = {"val/knn_acc": score.accuracy, "val/knn_balanced_acc": score.balanced_accuracy}
