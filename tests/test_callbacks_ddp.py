@@ -12,6 +12,9 @@ from tests.test_train_e2e import TINY_SWIN, events
 from vitlab.callbacks._state import load_snapshot
 from vitlab.cli import fit
 
+# a collective that one rank never reaches fails after 3 minutes instead of hanging the suite
+DDP_SPAWN = {"class_path": "pytorch_lightning.strategies.DDPStrategy", "init_args": {"start_method": "spawn", "timeout": "0:03:00"}}
+
 
 def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:
     cfg = {
@@ -20,7 +23,7 @@ def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:
             "max_epochs": 2,
             "accelerator": "cpu",
             "devices": devices,
-            "strategy": "ddp_spawn" if devices > 1 else "auto",
+            "strategy": DDP_SPAWN if devices > 1 else "auto",
             "limit_train_batches": 1,  # one step per epoch over the whole train split: order cannot matter
             "num_sanity_val_steps": 0,
             "enable_progress_bar": False,
@@ -54,6 +57,7 @@ def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
     names = sorted(p.name for p in (ddp / "qkv").iterdir() if not p.name.startswith("."))
     assert names == sorted(p.name for p in (single / "qkv").iterdir() if not p.name.startswith("."))
     assert "epoch_002.safetensors" in names
+    assert [n for n in names if n.endswith(".csv")] == ["drift_epoch_001.csv", "drift_epoch_002.csv", "spectra_epoch_000.csv", "spectra_epoch_001.csv", "spectra_epoch_002.csv"]
 
     # same weights after training (gradient all-reduce vs one big batch: float rounding only)
     a, _ = load_snapshot(single / "qkv" / "epoch_002.safetensors")
@@ -64,6 +68,16 @@ def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
 
     # and the same drift / spectra metrics in TensorBoard
     ea, eb = events(single), events(ddp)
+    for kind in ("scalars", "histograms", "images", "tensors"):
+        assert sorted(eb.Tags()[kind]) == sorted(ea.Tags()[kind]), kind
+        for tag in eb.Tags()[kind]:  # two processes write what one does: rank 0 writes, the others only join collectives
+            steps = [e.step for e in getattr(eb, kind.capitalize())(tag)]
+            assert steps == [e.step for e in getattr(ea, kind.capitalize())(tag)], (tag, steps)
+            # one point per step; the one exception: the fit-start spectra (step 0) meet epoch 1's, which in these
+            # one-batch epochs is written at the epoch's last step, 0 (the single process alike)
+            repeated = sorted({s for s in steps if steps.count(s) > 1})
+            assert tag == "epoch" or not repeated or (tag.startswith("spectra") and repeated == [0]), (tag, steps)
+    assert "hp/best_val_acc" in eb.Tags()["scalars"]
     tags = [t for t in ea.Tags()["scalars"] if t.startswith(("drift/", "drift_global/", "spectra/"))]
     assert len(tags) > 50 and set(tags) <= set(eb.Tags()["scalars"])
     for tag in tags:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from torch.nn.utils.weight_norm import WeightNorm
 
 from vitlab import models
 
@@ -22,6 +23,18 @@ class TaskModule(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.best_val: dict[str, float] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``ddp_spawn``) and deep-copyable at any time: a ``torch.nn.utils.weight_norm`` layer (lightly's
+        DINO head) keeps its weight as a non-leaf tensor that pickle refuses; it is recomputed from ``weight_g`` /
+        ``weight_v`` before every forward, so the stored copy is detached."""
+        for module in self.modules():
+            for hook in module._forward_pre_hooks.values():
+                if isinstance(hook, WeightNorm):
+                    weight = getattr(module, hook.name)
+                    if isinstance(weight, torch.Tensor) and not weight.is_leaf:
+                        setattr(module, hook.name, weight.detach())
+        return super().__getstate__()
 
     def _report_weights(self) -> None:
         """One line saying which backbone tensors a ``weights:`` file gave a detector / segmenter."""
@@ -62,9 +75,16 @@ class TaskModule(pl.LightningModule):
         for logger in self.loggers:
             logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
 
+    def optimizer_groups(self) -> list[dict]:
+        """AdamW groups of ``self.model`` (:func:`vitlab.models.parameter_groups`: no weight decay on norms, biases,
+        position tables; ``lr_scale`` from ``layer_decay``). A task with trainable modules outside ``self.model``
+        (DINO's projection head) appends its groups here."""
+        hp = self.hparams
+        return models.parameter_groups(self.model, weight_decay=hp.weight_decay, layer_decay=hp.get("layer_decay"))
+
     def configure_optimizers(self):
         hp = self.hparams
-        groups = models.parameter_groups(self.model, weight_decay=hp.weight_decay, layer_decay=hp.layer_decay)
+        groups = [group for group in self.optimizer_groups() if group["params"]]
         for group in groups:
             group["lr"] = hp.lr * group.pop("lr_scale", 1.0)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr)

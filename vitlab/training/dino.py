@@ -6,7 +6,6 @@ import copy
 import math
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from lightly.loss import DINOLoss
 from lightly.models.modules import DINOProjectionHead
@@ -16,7 +15,7 @@ from lightly.utils.scheduler import cosine_schedule
 from vitlab import models
 from vitlab.analysis import weighted_knn
 from vitlab.data.multicrop import MultiCrop
-from vitlab.training.module import warmup_cosine
+from vitlab.training.base import TaskModule
 
 
 def entropy(p: torch.Tensor) -> torch.Tensor:
@@ -31,7 +30,7 @@ def teacher_temperature(epoch: int, start: float, end: float, warmup_epochs: int
     return start + (end - start) * epoch / warmup_epochs
 
 
-class DINOModule(pl.LightningModule):
+class DINOModule(TaskModule):
     """DINO: a student (``self.model`` backbone + ``self.head``) learns to match an EMA teacher
     (``self.teacher_model`` + ``self.teacher_head``) across multi-crop views; labels are ignored for training.
 
@@ -42,10 +41,13 @@ class DINOModule(pl.LightningModule):
     near log K = uniform collapse), ``dino/teacher_entropy`` (mean per-sample entropy: near 0 = one-hot
     collapse), ``dino/center_norm``, ``dino/teacher_temp``, ``dino/momentum``, and every ``knn_every_n_epochs``
     ``val/knn_acc`` / ``val/knn_balanced_acc``: DINO's weighted k-NN on the teacher's pooled features
-    (train split without augmentation -> val split), when the data has labels.
+    (train split without augmentation -> val split), when the data has labels; their best values go to the
+    hparams table (``hp/best_val_knn_acc``). Under DDP each rank computes the features of its share of both
+    splits, and every rank scores the gathered whole (same value on all ranks; the centre is all-reduced by lightly).
 
     Args:
         model_name / model_kwargs / pretrained / weights / in_chans: the backbone, as in ClassificationModule.
+        ablate / freeze / layer_decay: as in ClassificationModule (the student backbone; the teacher copies it).
         num_classes / class_names: linked from the data (used by the k-NN evaluation only).
         out_dim / hidden_dim / bottleneck_dim: projection head (K prototypes); head_batch_norm: BatchNorm in its MLP
             (DINO uses it for ResNets; it keeps tiny runs on small data from collapsing to uniform).
@@ -64,6 +66,9 @@ class DINOModule(pl.LightningModule):
         pretrained: bool = False,
         weights: str | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        ablate: dict[str, Any] | None = None,
+        freeze: list[str] | None = None,
+        layer_decay: float | None = None,
         class_names: list[str] | None = None,
         out_dim: int = 1024,
         hidden_dim: int = 256,
@@ -97,10 +102,13 @@ class DINOModule(pl.LightningModule):
             raise ValueError(f"model.momentum_start / momentum_end must satisfy 0 <= start <= end <= 1, got {momentum_start}, {momentum_end}")
         if warmup_teacher_temp_epochs < 1:
             raise ValueError(f"model.warmup_teacher_temp_epochs must be >= 1, got {warmup_teacher_temp_epochs}")
+        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"model.layer_decay must be in (0, 1] or null, got {layer_decay}")
         self.save_hyperparameters(logger=False)
         kwargs = dict(model_kwargs or {})
         self.model = models.build_model(model_name, num_classes=max(num_classes, 2), in_chans=in_chans, pretrained=pretrained, weights=weights, **kwargs)
         models.drop_classifier(self.model)
+        self._intervene(ablate, freeze)
         dim = models.feature_dim(self.model)
         self.head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim, batch_norm=head_batch_norm, freeze_last_layer=freeze_last_layer)
         self.teacher_model = copy.deepcopy(self.model)
@@ -146,10 +154,10 @@ class DINOModule(pl.LightningModule):
         loss = self.criterion(teacher, student, teacher_temp=temp)
         n = len(images)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=n)
-        self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n)
-        self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n)
-        self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n)
-        self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n)
+        self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
         return loss
 
     def on_train_epoch_start(self) -> None:
@@ -163,7 +171,7 @@ class DINOModule(pl.LightningModule):
         m = self.momentum()
         update_momentum(self.model, self.teacher_model, m)
         update_momentum(self.head, self.teacher_head, m)
-        self.log("dino/momentum", m, on_step=False, on_epoch=True)
+        self.log("dino/momentum", m, on_step=False, on_epoch=True, sync_dist=True)  # (epoch means over the ranks)
 
     def setup(self, stage: str) -> None:
         every = self.hparams.knn_every_n_epochs
@@ -184,35 +192,52 @@ class DINOModule(pl.LightningModule):
         self._val_labels.append(labels.cpu())
 
     def on_validation_epoch_end(self) -> None:
-        if not self._val_features:
+        if not self._val_features:  # the same on every rank: a DistributedSampler gives each rank >= 1 batch
             return
         val_x, val_y = torch.cat(self._val_features), torch.cat(self._val_labels)
         self._val_features, self._val_labels = [], []
+        loader = self.trainer.val_dataloaders
+        if isinstance(getattr(loader, "sampler", None), torch.utils.data.DistributedSampler):  # DDP: this rank's share
+            val_x, val_y = self._gather_shards(val_x, len(loader.dataset)), self._gather_shards(val_y, len(loader.dataset))
         train_x, train_y = self.train_bank()
         score = weighted_knn(train_x, train_y, val_x, val_y, k=self.hparams.knn_k, temperature=self.hparams.knn_temperature)
-        self.log_dict({"val/knn_acc": score.accuracy, "val/knn_balanced_acc": score.balanced_accuracy}, rank_zero_only=True)
+        values = {"val/knn_acc": score.accuracy, "val/knn_balanced_acc": score.balanced_accuracy}
+        self._track_best(values)
+        self.log_dict(values, sync_dist=True)  # every rank scored the same gathered features: checkpointers agree
 
     @torch.no_grad()
     def train_bank(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher features of the train split without augmentation (the k-NN memory bank)."""
+        """Teacher features of the train split without augmentation (the k-NN memory bank); under DDP each rank
+        computes its share and every rank gets the whole bank."""
         dm = self.trainer.datamodule
-        loader = torch.utils.data.DataLoader(dm.dataset("train", augmented=False), batch_size=getattr(dm, "batch_size", 32))
+        dataset = dm.dataset("train", augmented=False)
+        world = self.trainer.world_size
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=self.global_rank, shuffle=False) if world > 1 else None
+        loader = torch.utils.data.DataLoader(dataset, batch_size=getattr(dm, "batch_size", 32), sampler=sampler)
         feats, labels = [], []
         for images, y in loader:
             feats.append(models.pooled_features(self.teacher_model, images.to(self.device)).float().cpu())
             labels.append(y)
-        return torch.cat(feats), torch.cat(labels)
+        return self._gather_shards(torch.cat(feats), len(dataset)), self._gather_shards(torch.cat(labels), len(dataset))
 
-    def configure_optimizers(self):
-        groups = models.parameter_groups(self.model, weight_decay=self.hparams.weight_decay)
+    def _gather_shards(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """Rows a ``DistributedSampler`` dealt out (rank r holds rows r, r + W, r + 2W ...) back in dataset order on
+        every rank, without the sampler's padding (the repeats it adds after row ``total``). One process: ``x``."""
+        world = self.trainer.world_size
+        if world == 1:
+            return x
+        x = x.to(self.device)  # (NCCL gathers device tensors)
+        counts = self.all_gather(torch.tensor(len(x), device=self.device)).reshape(world)
+        width = int(counts.max())
+        padded = torch.cat([x, x.new_zeros((width - len(x), *x.shape[1:]))])
+        rows = self.all_gather(padded).transpose(0, 1).reshape(world * width, *x.shape[1:])  # row j * W + r
+        kept = (torch.arange(width, device=self.device)[:, None] < counts[None, :]).reshape(-1)
+        return rows[kept][:total].cpu()
+
+    def optimizer_groups(self) -> list[dict]:
+        """The backbone's groups (the base's), then the projection head's: decay on matrices, none on biases / norms."""
+        groups = super().optimizer_groups()
         head_params = [p for p in self.head.parameters() if p.requires_grad]
         groups.append({"params": [p for p in head_params if p.ndim > 1], "weight_decay": self.hparams.weight_decay})
         groups.append({"params": [p for p in head_params if p.ndim <= 1], "weight_decay": 0.0})
-        for group in groups:
-            group["lr"] = self.hparams.lr * group.pop("lr_scale", 1.0)
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr)
-        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
-        steps_per_epoch = max(total_steps // max(self.trainer.max_epochs or 1, 1), 1)
-        warmup_steps = min(int(round(self.hparams.warmup_epochs * steps_per_epoch)), total_steps - 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup_steps, total_steps, self.hparams.min_lr_ratio))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return groups
