@@ -76,3 +76,5 @@ def test_short_dino_run_lowers_loss_without_collapse(scans, tmp_path):
     # (constant) backbone scores exactly 0.5. Not asserted: a gain over random init, which DINO does not give on
     # these scans (README, DINO section: lesion and lesion-free slices share their anatomy)
     assert len(dm.samples("val")) >= 20 and min(knn) > 0.5, report
+    # the logged k-NN is the teacher's (train split without augmentation -> val split), recomputed independently
+    assert knn[-1] == pytest.approx(teacher_knn(module, dm), abs=1e-6), report
