@@ -1,10 +1,13 @@
-"""Benchmark: peak RSS and wall time of ``probe.py mi`` on ViT-B/16 (random weights), this tree against another.
+"""Benchmark: peak RSS and wall time of ``probe.py mi`` on ViT-B/16 (random weights), this tree against the baseline.
 
 Goals (issue 12 §7): peak RSS <= 2.5 GB at N = 2000 images, and wall time <= 0.5x today's at N = 600.
 Each run is a fresh ``python probe.py mi --model vit_base_patch16_224 --images DIR --num-images N`` process
 (224 px synthetic PNGs, random weights, no downloads); its peak RSS is the child's ``ru_maxrss`` (os.wait4).
-``--reference-tree DIR`` runs the same command in another checkout, e.g. the code before the change:
-``mkdir /tmp/old && git archive 598c802 | tar -x -C /tmp/old``. The runs alternate (reference, this tree) per N.
+The baseline ("before") is the same command in the pre-fix code: by default ``git archive 598c802`` (the tree
+the issue measured: all images and all channels in memory, fp32 forward) extracted into a temporary folder;
+``--reference-tree DIR`` runs another checkout instead. The runs alternate (before, this tree) per N, and the
+MI curves of the two runs (same images, same channel draws) are compared: with the bf16 forward (``--precision
+auto`` on a CPU with native bf16) the largest |mi_same / mi_cross difference| is printed beside the ratio.
 
 On a shared machine the full-size runs take long: ``--num-images 48 144`` runs two small sizes and
 ``--extrapolate 600 2000`` fits RSS = a + b N and time = a + b N per tree through them and prints the fitted
@@ -15,7 +18,7 @@ both sizes >= 64 (or read the fit with care). ``--estimation-phase 2000`` also r
 alone at that N on random neurons of ViT-B/16's shapes (``_mi_estimation_phase.py``): in the new code the
 recording phase holds one batch and writes the neurons to a file, so its peak does not grow with N, and the
 peak of a run at N is the larger of the recording-phase peak (any N >= 64) and the estimation-phase peak at N.
-Run: ``python benchmarks/bench_probe_memory.py --reference-tree /tmp/old [--num-images 600 2000] [--threads 1]``.
+Run: ``python benchmarks/bench_probe_memory.py [--num-images 600 2000] [--threads 1] [--extra-after '--precision fp32']``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,31 @@ def make_images(folder: Path, count: int, size: int = 224) -> Path:
     return folder
 
 
+BASELINE_COMMIT = "598c802"  # the last commit before issue 12 §7 touched probe.py mi
+
+
+def baseline_tree(commit: str, folder: Path) -> Path:
+    """The pre-fix code, ``git archive COMMIT``, extracted into ``folder``."""
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def mi_difference(out_before: Path, out_after: Path) -> tuple[float, float, int]:
+    """Largest |after - before| of mi_same and of mi_cross over the rows of two mi.csv files, and the row count."""
+    import csv
+
+    rows = []
+    for out in (out_before, out_after):
+        with open(out / "mi.csv") as handle:
+            rows.append({(r["layer"], r["sublayer"], r["distance"]): r for r in csv.DictReader(handle)})
+    if set(rows[0]) != set(rows[1]):
+        raise SystemExit("mi.csv of the two trees have different rows")
+    diffs = {col: np.array([abs(float(rows[1][k][col]) - float(rows[0][k][col])) for k in rows[0]]) for col in ("mi_same", "mi_cross")}
+    return float(np.nanmax(diffs["mi_same"])), float(np.nanmax(diffs["mi_cross"])), len(rows[0])
+
+
 def run_mi(tree: Path, images: Path, count: int, out: Path, threads: int, extra: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (GB) of one ``probe.py mi`` process run in ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
@@ -64,22 +92,35 @@ def run_mi(tree: Path, images: Path, count: int, out: Path, threads: int, extra:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-images", type=int, nargs="+", default=[600, 2000])
-    parser.add_argument("--reference-tree", type=Path, default=None, help="the checkout to compare with (the code before the change)")
+    parser.add_argument("--reference-tree", type=Path, default=None, help="the checkout to compare with (default: git archive of --baseline-commit)")
+    parser.add_argument("--baseline-commit", default=BASELINE_COMMIT, help=f"pre-fix commit run as the baseline (default {BASELINE_COMMIT}); 'none': no baseline")
     parser.add_argument("--extrapolate", type=int, nargs="*", default=[], help="also print linear fits at these N (needs two --num-images)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the probe processes (default 1: a shared machine)")
     parser.add_argument("--extra", default="", help="more probe.py mi options, e.g. '--blocks 0 11'")
+    parser.add_argument("--extra-after", default="", help="probe.py mi options for this tree only, e.g. '--precision fp32'")
     parser.add_argument("--estimation-phase", type=int, nargs="*", default=[], help="N at which to measure this tree's estimation phase alone")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-probe-memory-"))
     images = make_images(tmp / "images", max(args.num_images))
-    trees = {**({"before": args.reference_tree.resolve()} if args.reference_tree else {}), "after": ROOT}
+    if args.reference_tree:
+        reference = args.reference_tree.resolve()
+    elif args.baseline_commit != "none":
+        reference = baseline_tree(args.baseline_commit, tmp / "baseline")
+        print(f"before = git archive {args.baseline_commit} (pre-fix baseline); after = {ROOT}", flush=True)
+    else:
+        reference = None
+    trees = {**({"before": reference} if reference else {}), "after": ROOT}
     results: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in trees}
     try:
         for count in args.num_images:
             for name, tree in trees.items():
-                results[name][count] = run_mi(tree, images, count, tmp / f"out-{name}", args.threads, args.extra.split())
+                extra = args.extra.split() + (args.extra_after.split() if name == "after" else [])
+                results[name][count] = run_mi(tree, images, count, tmp / f"out-{name}-{count}", args.threads, extra)
                 took, rss = results[name][count]
                 print(f"measured  {name:<6s} N = {count:5d}: {took:7.1f} s   peak RSS {rss:5.2f} GB", flush=True)
+            if reference:
+                same, cross, rows = mi_difference(tmp / f"out-before-{count}", tmp / f"out-after-{count}")
+                print(f"MI after vs before, N = {count:5d}: max |diff| mi_same {same:.4f} nats, mi_cross {cross:.4f} nats over {rows} rows", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     fits = {}
@@ -120,7 +161,8 @@ def main() -> None:
             print(f"goal peak RSS <= 2.5 GB at N = 2000 ({how(count)}): {'met' if ra <= 2.5 else 'NOT met'} ({ra:.2f} GB)")
         if count == 600 and "before" in results:
             ratio = ta / results["before"][count][0]
-            print(f"goal time <= 0.5x at N = 600 ({how(count)}): {'met' if ratio <= 0.5 else 'NOT met'} ({ratio:.2f}x)")
+            print(f"goal time <= 0.5x at N = 600 ({how(count)}): {'met' if ratio <= 0.5 else 'NOT met'} "
+                  f"(after {ta:.1f} s, before {results['before'][count][0]:.1f} s: {ratio:.2f}x)")
 
 
 if __name__ == "__main__":
