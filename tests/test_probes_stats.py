@@ -91,7 +91,8 @@ def test_mi_matches_direct_copula(tmp_path, weights, image_dir):
     out = tmp_path / "mi"
     with pytest.warns(UserWarning, match="noisy below 500"):
         main(["mi", *model_args("timm-swin", weights), "--images", str(image_dir), "--out", str(out), "--batch-size", "5",
-              "--centre-channels", "1000", "--cross-channels", "0", "--ksg-pairs", "4", "--blocks", "stage0.block1", "stage1.block0"])
+              "--centre-channels", "1000", "--cross-channels", "0", "--ksg-pairs", "4", "--blocks", "stage0.block1", "stage1.block0",
+              "--precision", "fp32"])
     rows = read_csv(out / "mi.csv")
     assert {"layer", "sublayer", "distance", "mi_same", "mi_cross", "n_images", "flag_nonmonotone"} <= set(rows[0])
     model = load("timm-swin", weights)

@@ -14,7 +14,10 @@ import torch
 
 from tests.test_probes_stats import image_dir, load, model_args, probe_images, read_csv, weights  # noqa: F401 - fixtures
 from vitlab import models
+from vitlab.analysis.mi import mi_vs_distance
+from vitlab.models.testing import tiny_model
 from vitlab.probes import main
+from vitlab.probes.activations import record_batches
 from vitlab.probes import mi as mi_probe
 from vitlab.probes.common import LoadedModel, image_stream, load_images
 
@@ -71,7 +74,7 @@ def test_streamed_mi_equals_all_in_memory(tmp_path, weights, image_dir, family):
     with pytest.warns(UserWarning, match="noisy below 500"):
         main(["mi", *model_args(family, weights), "--images", str(image_dir), "--out", str(out), "--batch-size", "6",
               "--centre-channels", str(centre), "--cross-channels", str(cross), "--binned-channels", "4", "--binned-cross-channels", "2",
-              "--bins", "4", "--ksg-pairs", "3"])
+              "--bins", "4", "--ksg-pairs", "3", "--precision", "fp32"])
     args = argparse.Namespace(batch_size=6, seed=0, centre_channels=centre, cross_channels=cross, binned_channels=4,
                               binned_cross_channels=2, bins=4, disagreement=0.05, ksg_pairs=3)
     rows, checks = all_at_once_mi(family, weights, image_dir, args)
@@ -100,3 +103,39 @@ def test_capture_keeps_only_the_chosen_channels(weights):  # noqa: F811
     assert torch.equal(few["stage0.block1", "mlp"], full["stage0.block1", "mlp"][:, :, keep])
     assert torch.equal(few["stage0.block1", "attn"], full["stage0.block1", "attn"])  # other outputs untouched
     assert torch.equal(few.prefix["stage0.block1"]["mlp"], full.prefix["stage0.block1"]["mlp"][:, :, keep])
+
+
+def test_forward_precision_choice(monkeypatch):
+    """auto = bf16 autocast on a CPU that multiplies bf16 natively, fp32 elsewhere (and on GPUs); explicit choices win."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for native in (True, False):
+        monkeypatch.setattr(mi_probe, "native_bf16_cpu", lambda native=native: native)
+        assert mi_probe.forward_dtype("auto", cpu) == (torch.bfloat16 if native else None)
+        assert mi_probe.forward_dtype("auto", gpu) is None
+        assert mi_probe.forward_dtype("fp32", cpu) is None and mi_probe.forward_dtype("bf16", cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["timm-vit", "timm-swin"])
+def test_bf16_forward_keeps_the_mi_curves(family):
+    """The bf16-autocast recording moves the MI curves by far less than their sampling error (documented in --help).
+
+    Independent reference: the same images through the fp32 forward. Randomised tiny models, smooth random images
+    (low-resolution noise upsampled: MI decays with distance), N = 400.
+    """
+    model = tiny_model(family, 2, seed=1)
+    g = torch.Generator().manual_seed(0)
+    images = torch.nn.functional.interpolate(torch.rand(400, 3, 4, 4, generator=g), size=32, mode="bicubic").sub(0.5).div(0.25)
+    views, sites = models.select_blocks(model, None), ["attn", "mlp"]
+    recorded = {}
+    for autocast in (None, torch.bfloat16):
+        batches = list(record_batches(model, images, sites, views, 64, torch.device("cpu"), "test", dtype=torch.float16, autocast=autocast))
+        recorded[autocast] = {(v.name, s): torch.cat([b.capture[v.name, s] for b in batches]) for v in views for s in sites}
+    grids = {v.name: tuple(batches[0].capture.grids[v.name]) for v in views}
+    for (name, site), exact in recorded[None].items():
+        approx = recorded[torch.bfloat16][name, site]
+        error = (approx.float() - exact.float()).abs() / exact.float().std()
+        assert 0 < error.mean() < 0.01 and error.max() < 0.1, (name, site)  # bf16 really ran, and stayed close
+        for estimator, k, c, extra, tol_same, tol_cross in (("copula", 16, 8, {}, 0.005, 0.03), ("binned", 8, 4, {"bins": 7}, 0.01, 0.01)):
+            curves = [mi_vs_distance(acts, grids[name], k, estimator, torch.Generator().manual_seed(0), c, **extra) for acts in (exact, approx)]
+            same, cross = ((a - b).abs().nan_to_num().max().item() for a, b in zip(*[(x.mi_same, x.mi_cross) for x in curves]))
+            assert same <= tol_same and cross <= tol_cross, (name, site, estimator, same, cross)

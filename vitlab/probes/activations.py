@@ -75,6 +75,7 @@ def record_batches(
     attention: bool = False,
     channels: dict[tuple[str, str], torch.Tensor] | None = None,
     total: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Iterator[Recorded]:
     """Run the model over ``inputs`` a batch at a time and yield what was recorded for each batch.
 
@@ -91,6 +92,8 @@ def record_batches(
         attention: Also record post-softmax attention (models with attention only).
         channels: ``{(block, site): channel ids}`` to keep of those outputs (see :func:`vitlab.models.capture`).
         total: Number of images of streamed ``inputs`` (for the progress bar).
+        autocast: Run the forward under ``torch.autocast`` in this dtype (e.g. ``torch.bfloat16``: matrix
+            products in bf16 with fp32 accumulation, normalisations and the residual stream in fp32); None: as is.
 
     Yields:
         :class:`Recorded` per batch; captured tensors are on the CPU.
@@ -107,6 +110,8 @@ def record_batches(
     for batch in progress(batches, desc, total=-(-total // batch_size) if total else None):
         x = batch.to(device)  # (b, C, H, W)
         with ExitStack() as stack, torch.no_grad():
+            if autocast is not None:
+                stack.enter_context(torch.autocast(torch.device(device).type, dtype=autocast))
             rec = stack.enter_context(models.record_attention(model, names, to_cpu=True)) if attention else None
             cap = stack.enter_context(models.capture(model, list(sites), names, to_cpu=True, dtype=dtype, channels=channels))
             model(x)
