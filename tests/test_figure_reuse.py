@@ -1,0 +1,98 @@
+"""Figures kept between epochs (FigureCache) write exactly the images that new figures would."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+from vitlab.callbacks.drift import report_drift
+from vitlab.callbacks.spectra import block_spectra, report_spectra
+from vitlab.tblog import FigureCache, confusion_matrix_figure, heatmap_figure, log_figure, update_heatmap
+
+HEADS = {"stage0.block0": 2, "stage1.block0": 4}
+DIMS = {"stage0.block0": 8, "stage1.block0": 16}
+
+
+def _state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"{b}.{m}.weight": torch.randn(d, d, generator=gen) * scale for b, d in DIMS.items() for m in "qkv"}
+
+
+def _images(log_dir) -> dict[tuple[str, int], bytes]:
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return {(tag, event.step): event.encoded_image_string for tag in acc.Tags()["images"] for event in acc.Images(tag)}
+
+
+def _report(log_dir, cache: FigureCache | None) -> dict[tuple[str, int], bytes]:
+    """Three epochs of drift and spectra reports whose values (and colour ranges) change from epoch to epoch."""
+    ref = _state(0)
+    writer = SummaryWriter(str(log_dir))
+    prev = ref
+    for step in (1, 2, 3):
+        cur = {k: v + torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) * 0.3 * step for k, v in ref.items()}
+        report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
+        report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
+        prev = cur
+    writer.close()
+    return _images(log_dir)
+
+
+def test_cached_figures_write_the_same_images_as_new_ones(tmp_path):
+    cache = FigureCache()
+    fresh = _report(tmp_path / "fresh", None)
+    reused = _report(tmp_path / "reused", cache)
+    assert len(cache._figures) == 5 + len(HEADS) + 2 + 1  # drift maps, local maps, 2 stages, heads map
+    tags = {tag for tag, _ in fresh}
+    assert {"drift_map/cosine_distance", "drift_local/stage1.block0", "spectra_figure/stage0", "spectra_heads/positive_mass"} <= tags
+    assert set(reused) == set(fresh) and len(fresh) == 3 * len(tags)
+    for key, png in fresh.items():
+        assert reused[key] == png, f"{key}: the updated figure differs from a new one"
+    assert fresh[("drift_map/euclidean", 2)] != fresh[("drift_map/euclidean", 3)]  # the images did change
+    assert not plt.get_fignums()  # cached figures are not left among pyplot's open figures
+
+
+@pytest.mark.parametrize("annotate", [False, True])
+def test_updated_heatmap_equals_a_new_one(tmp_path, annotate):
+    """Colour range from the data (None) or annotated cells: an updated heatmap is pixel for pixel a new one."""
+    gen = torch.Generator().manual_seed(5)
+    first, second = torch.rand(3, 4, generator=gen), torch.rand(3, 4, generator=gen) * 50
+    second[1, 2] = float("nan")
+
+    def build(matrix, title):
+        return heatmap_figure(matrix, title=title, xticklabels=list("abcd"), yticklabels=list("xyz"), annotate=annotate)
+
+    writers = {name: SummaryWriter(str(tmp_path / name)) for name in ("fresh", "reused")}
+    cache = FigureCache()
+    for step, matrix in ((1, first), (2, second)):
+        writers["fresh"].add_figure("map", build(matrix, f"step {step}"), step)
+        log_figure(writers["reused"], "map", step, lambda: build(matrix, f"step {step}"),
+                   lambda fig: update_heatmap(fig, matrix, title=f"step {step}"), cache)
+    for writer in writers.values():
+        writer.close()
+    assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
+
+
+def test_a_different_layout_builds_a_new_figure(tmp_path):
+    cache = FigureCache()
+    writer = SummaryWriter(str(tmp_path))
+    built = []
+
+    def build(rows):
+        built.append(rows)
+        return heatmap_figure(torch.rand(rows, 2), title="t")
+
+    for rows in (2, 2, 3):
+        log_figure(writer, "map", rows, lambda: build(rows), lambda fig: update_heatmap(fig, torch.rand(rows, 2), title="t"), cache, layout=rows)
+    writer.close()
+    assert built == [2, 3]  # the second call updated the first figure; a 3-row map needed a new one
+
+
+def test_confusion_matrix_update_rewrites_the_counts():
+    fig = confusion_matrix_figure(torch.tensor([[5, 1], [2, 7]]), ["a", "b"])
+    update_heatmap(fig, torch.tensor([[10, 0], [3, 4]]), title="validation confusion matrix")
+    assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "4"]
+    plt.close(fig)
