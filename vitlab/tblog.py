@@ -247,15 +247,20 @@ class FigureCache:
 
     def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
         """``writer.add_figure(tag, fig, step)`` with ``fig = build()`` the first time, then ``update(fig)``."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
         kept = self._figures.get(tag)
         if kept is None or kept[1] != layout:
             fig = build()
             plt.close(fig)  # kept here, not among pyplot's open figures
-            self._figures[tag] = (fig, layout)
+            canvas = FigureCanvasAgg(fig)  # one canvas: its renderer keeps text metrics between draws
+            self._figures[tag] = (canvas, layout)
         else:
-            fig = kept[0]
-            update(fig)
-        writer.add_figure(tag, fig, step, close=False)
+            canvas = kept[0]
+            update(canvas.figure)
+        canvas.draw()  # what add_figure does, on a new canvas each time
+        image = np.moveaxis(np.asarray(canvas.buffer_rgba())[:, :, :3], 2, 0)  # (3, H, W)
+        writer.add_image(tag, image, step, dataformats="CHW")
 
     def clear(self) -> None:
         self._figures.clear()
