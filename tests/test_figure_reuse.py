@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import pytest
 import torch
@@ -96,3 +98,34 @@ def test_confusion_matrix_update_rewrites_the_counts():
     update_heatmap(fig, torch.tensor([[10, 0], [3, 4]]), title="validation confusion matrix")
     assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "4"]
     plt.close(fig)
+
+
+@pytest.mark.slow
+def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp_path, monkeypatch):
+    """The callbacks of a real fit build every figure once and update it in the later epochs."""
+    from tests.test_train_e2e import events, tiny_args
+    from vitlab.callbacks import drift, spectra
+    from vitlab.cli import fit
+
+    built: dict[str, int] = {}
+
+    def counting(name, make):
+        def wrapper(*args, **kwargs):
+            built[name] = built.get(name, 0) + 1
+            return make(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(drift, "local_drift_figure", counting("local", drift.local_drift_figure))
+    monkeypatch.setattr(drift, "heatmap_figure", counting("drift_map", drift.heatmap_figure))
+    monkeypatch.setattr(spectra, "stage_figure", counting("stage", spectra.stage_figure))
+    cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=3))
+    acc = events(Path(cli.trainer.log_dir))
+    images = acc.Tags()["images"]
+    local_tags = [t for t in images if t.startswith("drift_local/")]
+    stage_tags = [t for t in images if t.startswith("spectra_figure/")]
+    assert len(local_tags) == 4 and built["local"] == 4  # 4 blocks, one figure each
+    assert built["drift_map"] == 5 and len(stage_tags) == built["stage"] == 2  # 5 metrics, 2 stages
+    for tag in local_tags + [t for t in images if t.startswith("drift_map/")]:
+        assert len(acc.Images(tag)) == 3, tag  # drawn after each of the 3 epochs
+    for tag in stage_tags:
+        assert len(acc.Images(tag)) == 4, tag  # and the spectra at fit start too
