@@ -12,7 +12,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from vitlab.callbacks.drift import report_drift
 from vitlab.callbacks.spectra import block_spectra, report_spectra
-from vitlab.tblog import FigureCache, confusion_matrix_figure, heatmap_figure, log_figure, update_heatmap
+from vitlab.tblog import CONFUSION_TITLE, FigureCache, confusion_matrix_figure, heatmap_figure, log_figure, update_heatmap
 
 HEADS = {"stage0.block0": 2, "stage1.block0": 4}
 DIMS = {"stage0.block0": 8, "stage1.block0": 16}
@@ -93,11 +93,20 @@ def test_a_different_layout_builds_a_new_figure(tmp_path):
     assert built == [2, 3]  # the second call updated the first figure; a 3-row map needed a new one
 
 
-def test_confusion_matrix_update_rewrites_the_counts():
-    fig = confusion_matrix_figure(torch.tensor([[5, 1], [2, 7]]), ["a", "b"])
-    update_heatmap(fig, torch.tensor([[10, 0], [3, 4]]), title="validation confusion matrix")
-    assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "4"]
-    plt.close(fig)
+def test_confusion_matrix_update_rewrites_the_counts(tmp_path):
+    """The validation confusion matrix as the module logs it: updated counts, the pixels of a new figure."""
+    first, second = torch.tensor([[5, 1], [2, 7]]), torch.tensor([[10, 0], [3, 1234]])
+    writers = {name: SummaryWriter(str(tmp_path / name)) for name in ("fresh", "reused")}
+    cache = FigureCache()
+    for step, confusion in ((1, first), (2, second)):
+        writers["fresh"].add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, ["a", "b"]), step)
+        log_figure(writers["reused"], "val/confusion_matrix", step, lambda: confusion_matrix_figure(confusion, ["a", "b"]),
+                   lambda fig: update_heatmap(fig, confusion, title=CONFUSION_TITLE), cache)
+    for writer in writers.values():
+        writer.close()
+    assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
+    fig = cache._figures["val/confusion_matrix"][0].figure
+    assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "1.23e+03"]
 
 
 @pytest.mark.slow
@@ -106,6 +115,7 @@ def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp
     from tests.test_train_e2e import events, tiny_args
     from vitlab.callbacks import drift, spectra
     from vitlab.cli import fit
+    from vitlab.training import module
 
     built: dict[str, int] = {}
 
@@ -118,6 +128,7 @@ def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp
     monkeypatch.setattr(drift, "local_drift_figure", counting("local", drift.local_drift_figure))
     monkeypatch.setattr(drift, "heatmap_figure", counting("drift_map", drift.heatmap_figure))
     monkeypatch.setattr(spectra, "stage_figure", counting("stage", spectra.stage_figure))
+    monkeypatch.setattr(module, "confusion_matrix_figure", counting("confusion", module.confusion_matrix_figure))
     cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=3))
     acc = events(Path(cli.trainer.log_dir))
     images = acc.Tags()["images"]
@@ -129,3 +140,4 @@ def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp
         assert len(acc.Images(tag)) == 3, tag  # drawn after each of the 3 epochs
     for tag in stage_tags:
         assert len(acc.Images(tag)) == 4, tag  # and the spectra at fit start too
+    assert built["confusion"] == 1 and len(acc.Images("val/confusion_matrix")) == 3

@@ -246,7 +246,7 @@ class FigureCache:
         self._figures: dict[str, tuple[Any, Any]] = {}
 
     def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
-        """``writer.add_figure(tag, fig, step)`` with ``fig = build()`` the first time, then ``update(fig)``."""
+        """Write what ``writer.add_figure(tag, fig, step)`` writes, ``fig = build()`` the first time, then ``update(fig)``."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
         kept = self._figures.get(tag)
@@ -266,6 +266,14 @@ class FigureCache:
         self._figures.clear()
 
 
+def writer_figures(writer) -> FigureCache:
+    """The :class:`FigureCache` of a TensorBoard writer (one per run, for modules that keep no state of their own)."""
+    cache = getattr(writer, "_vitlab_figures", None)
+    if cache is None:
+        cache = writer._vitlab_figures = FigureCache()
+    return cache
+
+
 def log_figure(writer, tag: str, step: int, build, update=None, cache: FigureCache | None = None, layout: Any = None) -> None:
     """``writer.add_figure(tag, build(), step)``, through ``cache`` (reusing the figure) when one is given."""
     if cache is None or update is None:
@@ -274,11 +282,14 @@ def log_figure(writer, tag: str, step: int, build, update=None, cache: FigureCac
         cache.add(writer, tag, step, build, update, layout)
 
 
+CONFUSION_TITLE = "validation confusion matrix"
+
+
 def confusion_matrix_figure(confusion: torch.Tensor, class_names: Sequence[str]):
     """Confusion matrix (rows: true class, columns: predicted) with counts written in each cell."""
     return heatmap_figure(
         confusion,
-        title="validation confusion matrix",
+        title=CONFUSION_TITLE,
         xlabel="predicted",
         ylabel="true",
         xticklabels=class_names,

@@ -126,7 +126,7 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True,
         grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES] for name in LOCAL_METRICS}
         log_figure(
             writer, f"drift_local/{block}", step, lambda: local_drift_figure(block, grids, step),
-            lambda fig: update_local_drift_figure(fig, block, grids, step), cache, layout=tuple(grids["cosine_distance"][0].shape),
+            lambda fig: update_local_drift_figure(fig, block, grids, step), cache, layout=(tuple(grids), tuple(grids[LOCAL_METRICS[0]][0].shape)),
         )  # fmt: skip
 
 
