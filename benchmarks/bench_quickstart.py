@@ -6,12 +6,18 @@ Runs, each in its own process and one after the other (side by side, so the rati
 noisy machine where absolute times do not):
 
 1. a bare loop: the quickstart's timm Swin, batch 32 at 64 px, AdamW, forward + backward + step on
-   random tensors, nothing else; the faster of 1 thread and one per core, before and after 2. (the floor);
+   random tensors, nothing else; 1 thread and one per core, before and after 2.: the fastest is the wall-time
+   floor, the least CPU per step at the quickstart's thread count the CPU-time floor;
 2. the quickstart itself (``python train.py --config configs/quickstart.yaml``, its first ``--epochs`` epochs):
    data workers, validation, metrics, the Q/K/V callbacks' figures and tables, checkpoints; its step time is
    the wall time of ``Trainer.fit`` divided by the optimizer steps;
 3. the quickstart again while one busy process per core competes for the CPU: its CPU time (the process
    and its data workers) against the quiet run's shows whether threads spin when they cannot run.
+
+It prints both step times and CPU-seconds side by side with their ratios (wall, and CPU of the training process:
+the steadier figure when other jobs share the cores), then where the quickstart's fit time goes: train steps,
+validation, the Q/K/V callbacks (tables, scalars, figures), checkpoints, waiting for training batches, start-up
+inside ``fit`` (data setup and header pass) and the rest (Lightning's loop and logging).
 
 Goal: quickstart step <= 1.5x the bare step; CPU time under load about the quiet one (not a multiple).
 """
@@ -59,21 +65,48 @@ print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads()}))
 """
 
 QUICKSTART = r"""
-import json, sys, time
+import collections, functools, json, sys, time
 import vitlab  # noqa: F401  (first, as train.py imports it: its OpenMP wait policy precedes torch)
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loops import evaluation_loop, fetchers, fit_loop
+from vitlab.callbacks import QKSpectra, QKVDrift, QKVSnapshot
+from vitlab.training import ClassificationModule
 timing = {}
-fit_method = pl.Trainer.fit
-def timed_fit(self, *args, **kwargs):
-    start, cpu = time.perf_counter(), time.process_time()
-    out = fit_method(self, *args, **kwargs)
-    timing["fit_s"], timing["fit_cpu_s"], timing["steps"] = time.perf_counter() - start, time.process_time() - cpu, self.global_step
-    return out
-pl.Trainer.fit = timed_fit
+parts = collections.defaultdict(lambda: [0.0, 0.0])  # part -> [wall s, CPU s] of this process
+inside = collections.Counter()
+def timed(owner, name, part):
+    method = getattr(owner, name)
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if part == "batch fetch" and inside["validation"]:  # counted in validation
+            return method(*args, **kwargs)
+        start, cpu = time.perf_counter(), time.process_time()
+        inside[part] += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            inside[part] -= 1
+            parts[part][0] += time.perf_counter() - start
+            parts[part][1] += time.process_time() - cpu
+    setattr(owner, name, wrapper)
+timed(pl.Trainer, "fit", "fit")
+timed(fit_loop._FitLoop, "run", "fit loop")  # fit - fit loop = start-up inside fit (data setup, header pass)
+timed(pl.LightningModule, "optimizer_step", "train steps")  # forward, backward, AdamW, per-step logging
+timed(fetchers._PrefetchDataFetcher, "__next__", "batch fetch")
+timed(evaluation_loop._EvaluationLoop, "run", "validation")  # with its batch fetches and epoch-end metrics
+timed(ModelCheckpoint, "_save_checkpoint", "checkpoints")
+for callback in (QKVSnapshot, QKVDrift, QKSpectra):
+    timed(callback, "on_fit_start", "Q/K/V at fit start")  # reference snapshot, epoch-0 spectra (inside start-up)
+    timed(callback, "on_train_epoch_end", "Q/K/V callbacks")
+timed(ClassificationModule, "on_train_epoch_end", "epoch metrics")
 from vitlab.cli import fit
 import torch
-fit(sys.argv[1:])
+cli = fit(sys.argv[1:])
+timing["steps"] = cli.trainer.global_step
+timing["fit_s"], timing["fit_cpu_s"] = parts.pop("fit")
 timing["threads"] = torch.get_num_threads()
+timing["parts"] = dict(parts)
 print("RESULT " + json.dumps(timing))
 """
 
@@ -115,6 +148,36 @@ def quickstart_args(save_dir: str, steps: int) -> list[str]:
     ]
 
 
+def report(bare_runs: list[dict], quick: dict, quick_wall: float, quick_cpu: float) -> None:
+    """Step times and CPU-seconds of both side by side, their ratios, and where the quickstart's time goes.
+
+    Wall: against the fastest bare run (1 thread or one per core: the best a bare loop gets here). CPU: against
+    the bare runs at the quickstart's thread count (more threads cost more CPU-seconds for the same step)."""
+    bare = min(bare_runs, key=lambda r: r["step_s"])
+    same = [r for r in bare_runs if r["threads"] == quick["threads"]] or bare_runs
+    bare_cpu_run = min(same, key=lambda r: r["cpu_step_s"])
+    steps, bare_s, bare_cpu = quick["steps"], bare["step_s"], bare_cpu_run["cpu_step_s"]
+    step_s, cpu_step = quick["fit_s"] / steps, quick["fit_cpu_s"] / steps
+    print(f"bare timm loop      : {bare_s * 1e3:7.1f} ms/step ({bare['threads']} torch threads), {bare_cpu * 1e3:6.1f} CPU-ms/step "
+          f"({bare_cpu_run['threads']} threads); {steps} steps = {bare_s * steps:5.1f} s, {bare_cpu * steps:5.1f} CPU-s")
+    print(f"quickstart (fit)    : {step_s * 1e3:7.1f} ms/step ({quick['threads']} torch threads), {cpu_step * 1e3:6.1f} CPU-ms/step; "
+          f"{steps} steps = {quick['fit_s']:5.1f} s, {quick['fit_cpu_s']:5.1f} CPU-s")
+    print(f"ratio (wall)        : {step_s / bare_s:7.2f}x  (goal <= 1.5x)")
+    print(f"ratio (CPU)         : {cpu_step / bare_cpu:7.2f}x  (CPU of the training process; steadier than wall time when the machine is shared)")
+    print(f"quickstart process  : {quick_wall:6.1f} s wall, {quick_cpu:6.1f} CPU-s (with start-up and data workers)")
+    parts = quick["parts"]
+    loop_wall, loop_cpu = parts.pop("fit loop")
+    first = parts.pop("Q/K/V at fit start")
+    parts["Q/K/V callbacks"] = [a + b for a, b in zip(parts["Q/K/V callbacks"], first)]
+    parts["start-up in fit"] = [quick["fit_s"] - loop_wall - first[0], quick["fit_cpu_s"] - loop_cpu - first[1]]
+    parts["training batches fetched"] = parts.pop("batch fetch")  # mostly waiting on the loader worker
+    named_wall, named_cpu = (sum(v[i] for v in parts.values()) for i in (0, 1))
+    parts["other (logging, LR, loop)"] = [quick["fit_s"] - named_wall, quick["fit_cpu_s"] - named_cpu]
+    print("where the quickstart's fit time goes (this process; data workers apart):")
+    for part, (wall, cpu) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {part:26s} {wall:6.1f} s  {cpu:6.1f} CPU-s  ({cpu / quick['fit_cpu_s']:4.0%} of its CPU)")
+
+
 def competing_load(processes: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
 
@@ -128,25 +191,15 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"machine: {cores} usable cores, load average {os.getloadavg()[0]:.1f} (shared machines: compare ratios, not seconds)")
 
-    def bare_floor() -> dict:  # the faster of 1 thread and one per core: the best a bare loop gets here
-        runs = [run_child(BARE, [str(opts.bare_steps), str(t)])[0] for t in sorted({1, cores})]
-        return min(runs, key=lambda r: r["step_s"])
+    def bare_runs() -> list[dict]:  # 1 thread and one per core
+        return [run_child(BARE, [str(opts.bare_steps), str(t)])[0] for t in sorted({1, cores})]
 
-    bare = bare_floor()
+    bare = bare_runs()
     steps = opts.epochs * steps_per_epoch()
     with tempfile.TemporaryDirectory(prefix="vitlab-bench-qs-") as tmp:
         quick, quick_wall, quick_cpu = run_child(QUICKSTART, quickstart_args(str(Path(tmp) / "quiet"), steps))
-        bare_after = bare_floor()  # bracket the quickstart: the floor drifts with the machine's load
-        bare = min(bare, bare_after, key=lambda r: r["step_s"])
-        bare_s = bare["step_s"]
-        step_s = quick["fit_s"] / quick["steps"]
-        print(f"bare timm loop      : {bare_s * 1e3:7.1f} ms/step  ({bare['threads']} torch threads)")
-        print(f"quickstart (fit)    : {step_s * 1e3:7.1f} ms/step  ({quick['steps']} steps in {quick['fit_s']:.1f} s, {quick['threads']} torch threads)")
-        print(f"ratio (wall)        : {step_s / bare_s:7.2f}x  (goal <= 1.5x)")
-        cpu_step = quick["fit_cpu_s"] / quick["steps"]
-        print(f"ratio (CPU of the training process per step): {cpu_step / bare['cpu_step_s']:5.2f}x  "
-              f"({cpu_step * 1e3:.1f} vs {bare['cpu_step_s'] * 1e3:.1f} ms; steadier than wall time when the machine is shared)")
-        print(f"quickstart process  : {quick_wall:6.1f} s wall, {quick_cpu:6.1f} CPU-s (with start-up and data workers)")
+        bare += bare_runs()  # bracket the quickstart: the floor drifts with the machine's load
+        report(bare, quick, quick_wall, quick_cpu)
         if opts.no_load:
             return
         load = competing_load(cores)

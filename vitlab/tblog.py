@@ -216,11 +216,80 @@ def heatmap_figure(
     return fig
 
 
+def update_heatmap(fig, matrix: torch.Tensor | np.ndarray, *, title: str = "", vmin: float | None = None, vmax: float | None = None) -> None:
+    """Show new values (same shape) in a :func:`heatmap_figure`: the pixels a new one would have (tested)."""
+    data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
+    ax = fig.axes[0]
+    im = ax.get_images()[0]
+    masked = np.ma.masked_invalid(data)
+    im.set_data(masked)
+    # None: from the data, as imshow does (one set_clim: a colour bar resets a half-unset norm to [0, 1])
+    im.set_clim(masked.min() if vmin is None else vmin, masked.max() if vmax is None else vmax)
+    for text, value in zip(ax.texts, data.ravel()):  # annotate=True: one text per cell, row by row
+        text.set_text(f"{value:.3g}")
+    ax.set_title(title, fontsize=9)
+    # colour-bar labels may change width: lay out again from where a new figure starts (tight_layout is no fixed point)
+    fig.subplots_adjust(**{k: matplotlib.rcParams[f"figure.subplot.{k}"] for k in ("left", "right", "bottom", "top", "wspace", "hspace")})
+    fig.tight_layout()
+
+
+class FigureCache:
+    """Figures kept between the epochs that draw them, one per TensorBoard tag, updated instead of rebuilt.
+
+    Building a matplotlib figure (axes, ticks, colour bars, layout) costs about as much as drawing it; a callback
+    that logs the same figure every few epochs keeps it here and only changes its data, titles and colour scales.
+    The image written is the one a new figure would give (tests compare the pixels). ``layout`` describes what
+    fixes the figure's structure (blocks, heads, shapes): a different one builds a new figure.
+    """
+
+    def __init__(self) -> None:
+        self._figures: dict[str, tuple[Any, Any]] = {}
+
+    def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
+        """Write what ``writer.add_figure(tag, fig, step)`` writes, ``fig = build()`` the first time, then ``update(fig)``."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kept = self._figures.get(tag)
+        if kept is None or kept[1] != layout:
+            fig = build()
+            plt.close(fig)  # kept here, not among pyplot's open figures
+            canvas = FigureCanvasAgg(fig)  # one canvas: its renderer keeps text metrics between draws
+            self._figures[tag] = (canvas, layout)
+        else:
+            canvas = kept[0]
+            update(canvas.figure)
+        canvas.draw()  # what add_figure does, on a new canvas each time
+        image = np.moveaxis(np.asarray(canvas.buffer_rgba())[:, :, :3], 2, 0)  # (3, H, W)
+        writer.add_image(tag, image, step, dataformats="CHW")
+
+    def clear(self) -> None:
+        self._figures.clear()
+
+
+def writer_figures(writer) -> FigureCache:
+    """The :class:`FigureCache` of a TensorBoard writer (one per run, for modules that keep no state of their own)."""
+    cache = getattr(writer, "_vitlab_figures", None)
+    if cache is None:
+        cache = writer._vitlab_figures = FigureCache()
+    return cache
+
+
+def log_figure(writer, tag: str, step: int, build, update=None, cache: FigureCache | None = None, layout: Any = None) -> None:
+    """``writer.add_figure(tag, build(), step)``, through ``cache`` (reusing the figure) when one is given."""
+    if cache is None or update is None:
+        writer.add_figure(tag, build(), step)
+    else:
+        cache.add(writer, tag, step, build, update, layout)
+
+
+CONFUSION_TITLE = "validation confusion matrix"
+
+
 def confusion_matrix_figure(confusion: torch.Tensor, class_names: Sequence[str]):
     """Confusion matrix (rows: true class, columns: predicted) with counts written in each cell."""
     return heatmap_figure(
         confusion,
-        title="validation confusion matrix",
+        title=CONFUSION_TITLE,
         xlabel="predicted",
         ylabel="true",
         xticklabels=class_names,

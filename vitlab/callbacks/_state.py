@@ -102,6 +102,9 @@ class EpochCallback:
             raise ValueError(f"{type(self).__name__}.every_n_epochs must be >= 1, got {every_n_epochs}")
         self.every_n_epochs = every_n_epochs
         self._dir: Path | None = None
+        from vitlab.tblog import FigureCache  # matplotlib: not at import (probe start-up)
+
+        self._figures = FigureCache()  # the figures of the last epoch that drew them, updated by the next one
 
     @property
     def state_key(self) -> str:
@@ -123,3 +126,6 @@ class EpochCallback:
 
             require_tensorboard(trainer, owner)
         self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._figures.clear()

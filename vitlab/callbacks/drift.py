@@ -20,7 +20,18 @@ from vitlab.callbacks._state import (
     snapshot_name,
     unwrap,
 )
-from vitlab.tblog import epoch_end_step, figures_due, heatmap_figure, save_safetensors, tensorboard_writer, write_csv, write_layout_once
+from vitlab.tblog import (
+    FigureCache,
+    epoch_end_step,
+    figures_due,
+    heatmap_figure,
+    log_figure,
+    save_safetensors,
+    tensorboard_writer,
+    update_heatmap,
+    write_csv,
+    write_layout_once,
+)
 import matplotlib.pyplot as plt
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
@@ -96,24 +107,27 @@ def _log_histograms(writer, rows_ref, step) -> None:
             writer.add_histogram(f"drift_rows/{name}/{m}", values, step)
 
 
-def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True) -> None:
+def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True, cache: FigureCache | None = None) -> None:
     blocks = list(heads)
     for name in DRIFT_METRICS + ("rel_frobenius",):
-        grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks])  # (blocks, 3)
-        fig = heatmap_figure(
-            grid.T,
-            title=f"{name} vs reference (mean over rows), step {step}",
-            xticklabels=blocks,
-            yticklabels=[m.upper() for m in MATRICES],
-            xlabel="block",
-            figsize=(3.0 + 0.32 * len(blocks), 3.4),
-        )
-        writer.add_figure(f"drift_map/{name}", fig, step)
+        grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
+        title = f"{name} vs reference (mean over rows), step {step}"
+        log_figure(
+            writer, f"drift_map/{name}", step,
+            lambda: heatmap_figure(
+                grid, title=title, xticklabels=blocks, yticklabels=[m.upper() for m in MATRICES], xlabel="block",
+                figsize=(3.0 + 0.32 * len(blocks), 3.4),
+            ),
+            lambda fig: update_heatmap(fig, grid, title=title), cache, layout=tuple(blocks),
+        )  # fmt: skip
     if not local_maps:
         return
     for block in blocks:
         grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES] for name in LOCAL_METRICS}
-        writer.add_figure(f"drift_local/{block}", local_drift_figure(block, grids, step), step)
+        log_figure(
+            writer, f"drift_local/{block}", step, lambda: local_drift_figure(block, grids, step),
+            lambda fig: update_local_drift_figure(fig, block, grids, step), cache, layout=(tuple(grids), tuple(grids[LOCAL_METRICS[0]][0].shape)),
+        )  # fmt: skip
 
 
 def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: int):
@@ -143,6 +157,21 @@ def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: i
         cbar.ax.tick_params(labelsize=7)
     fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
     return fig
+
+
+def update_local_drift_figure(fig, block: str, grids: dict[str, list[torch.Tensor]], step: int) -> None:
+    """New grids (same shapes and metrics) in a :func:`local_drift_figure`: the pixels a new one would have."""
+    panels = [ax for ax in fig.axes if ax.get_images() and ax.get_label() != "<colorbar>"]
+    for r, (name, per_matrix) in enumerate(grids.items()):
+        vmax = max(float(g.max()) for g in per_matrix) or 1.0
+        for c, grid in enumerate(per_matrix):
+            im = panels[r * len(MATRICES) + c].get_images()[0]
+            im.set_data(grid.double().numpy())
+            im.set_clim(0.0, vmax)
+        cbar = im.colorbar
+        cbar.set_ticks([0.0, vmax / 2, vmax])
+        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
+    fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
 
 
 def drift_layout() -> dict[str, Any]:
@@ -178,11 +207,12 @@ def report_drift(
     epoch: int = 0,
     local_maps: bool = True,
     figures: bool = True,
+    figure_cache: FigureCache | None = None,
 ) -> dict[tuple[str, str], dict[str, float]]:
     """Compute and write one drift report (TensorBoard scalars, histograms, images; optional CSV).
 
     Shared by :class:`QKVDrift` (every epoch) and ``probe.py drift`` (two checkpoints). Returns the
-    per-(block, matrix) summary against ``ref``.
+    per-(block, matrix) summary against ``ref``. ``figure_cache`` keeps the figures for the next report.
     """
     blocks = list(heads)
     rows_ref, sum_ref = drift_tables(ref, cur, blocks)
@@ -191,7 +221,7 @@ def report_drift(
     _log_extras(writer, extra_drift(ref, cur), step)
     _log_histograms(writer, rows_ref, step)
     if figures:
-        _log_images(writer, rows_ref, sum_ref, heads, step, local_maps)
+        _log_images(writer, rows_ref, sum_ref, heads, step, local_maps, figure_cache)
     if table_path is not None:
         write_drift_table(table_path, epoch, rows_ref, heads)
     return sum_ref
@@ -261,7 +291,7 @@ class QKVDrift(EpochCallback, pl.Callback):
         writer = tensorboard_writer(trainer)
         table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
         figures = figures_due(trainer, completed, self.figures_every_n_epochs)
-        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures)
+        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures, self._figures)
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

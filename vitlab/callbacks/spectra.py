@@ -15,7 +15,7 @@ import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import block_stage
-from vitlab.tblog import heatmap_figure, write_csv
+from vitlab.tblog import FigureCache, heatmap_figure, log_figure, update_heatmap, write_csv
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -60,8 +60,28 @@ def stage_figure(stage: str, spectra: dict[str, Any]):
     return fig
 
 
-def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True) -> None:
-    """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV)."""
+def update_stage_figure(fig, spectra: dict[str, Any]) -> None:
+    """New spectra (same blocks and sizes) in a :func:`stage_figure`: the pixels a new one would have."""
+    axes = fig.axes[:3]
+    for i, s in enumerate(spectra.values()):
+        curves = (s.summed.sym_eigvals[0], s.summed.asym_imag[0], s.summed.singular_values[0])
+        for ax, values in zip(axes, curves):
+            y = values.double().cpu().numpy()
+            if ax is axes[2]:
+                y = y / max(y[0], 1e-30)
+            ax.lines[i].set_ydata(y)
+    for ax in axes:
+        ax.relim()
+        ax.autoscale_view()
+
+
+def report_spectra(
+    writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True,
+    figure_cache: FigureCache | None = None,
+) -> None:
+    """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV).
+
+    ``figure_cache`` keeps the figures for the next report (see :class:`vitlab.tblog.FigureCache`)."""
     for block, s in spectra.items():
         for name in SCALARS:
             writer.add_scalar(f"spectra/{name}/{block}", float(getattr(s, name).float().mean()), step)
@@ -71,15 +91,18 @@ def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path 
         for block, s in spectra.items():
             by_stage[block_stage(block)][block] = s
         for stage, group in by_stage.items():
-            writer.add_figure(f"spectra_figure/{stage}", stage_figure(stage, group), step)
+            log_figure(writer, f"spectra_figure/{stage}", step, lambda: stage_figure(stage, group),
+                       lambda fig: update_stage_figure(fig, group), figure_cache,
+                       layout=tuple((b, len(s.summed.sym_eigvals[0]), len(s.summed.asym_imag[0]), len(s.summed.singular_values[0])) for b, s in group.items()))
         max_heads = max(len(s.positive_mass) for s in spectra.values())
         grid = torch.full((len(spectra), max_heads), float("nan"))
         for i, s in enumerate(spectra.values()):
             grid[i, : len(s.positive_mass)] = s.positive_mass.float()
         blocks = list(spectra)
-        fig = heatmap_figure(
+        title = f"positive mass of sym(W_Q W_K^T), step {step}"
+        build = lambda: heatmap_figure(  # noqa: E731
             grid,
-            title=f"positive mass of sym(W_Q W_K^T), step {step}",
+            title=title,
             xlabel="head (white: the block has fewer heads)",
             ylabel="block",
             xticklabels=[str(h) for h in range(max_heads)],
@@ -91,7 +114,8 @@ def report_spectra(writer, spectra: dict[str, Any], step: int, table_path: Path 
             nan_color="white",
             figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
         )
-        writer.add_figure("spectra_heads/positive_mass", fig, step)
+        update = lambda fig: update_heatmap(fig, grid, title=title, vmin=0.0, vmax=1.0)  # noqa: E731
+        log_figure(writer, "spectra_heads/positive_mass", step, build, update, figure_cache, layout=(tuple(blocks), max_heads))
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 

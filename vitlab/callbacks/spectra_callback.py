@@ -54,7 +54,7 @@ class QKSpectra(EpochCallback, pl.Callback):
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
         figures = figures_due(trainer, epoch, self.figures_every_n_epochs)
-        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures, self._figures)
         write_layout_once(trainer)
         self.logged_epochs.append(epoch)
 

@@ -15,7 +15,7 @@ from torchmetrics.classification import (
 )
 
 from vitlab import models
-from vitlab.tblog import confusion_matrix_figure, figures_due, logging_step, tensorboard_writer
+from vitlab.tblog import CONFUSION_TITLE, confusion_matrix_figure, figures_due, log_figure, logging_step, tensorboard_writer, update_heatmap, writer_figures
 from vitlab.training.base import TaskModule, warmup_cosine
 
 __all__ = ["ClassificationModule", "warmup_cosine"]
@@ -136,8 +136,9 @@ class ClassificationModule(TaskModule):
         self._track_best(values)
         if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
             writer = tensorboard_writer(self.trainer)
-            if writer is not None:
-                writer.add_figure("val/confusion_matrix", confusion_matrix_figure(confusion, self.class_names), logging_step(self.trainer))  # val/*'s step
+            if writer is not None:  # at val/*'s step; the figure is kept with the writer and updated next time
+                log_figure(writer, "val/confusion_matrix", logging_step(self.trainer), lambda: confusion_matrix_figure(confusion, self.class_names),
+                           lambda fig: update_heatmap(fig, confusion, title=CONFUSION_TITLE), writer_figures(writer), tuple(self.class_names))
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._step(batch, self.test_metrics, "test")
