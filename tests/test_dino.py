@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytest.importorskip("lightly")
 
+from vitlab import models  # noqa: E402
 from vitlab.analysis import weighted_knn  # noqa: E402
 from vitlab.data.multicrop import MultiCrop  # noqa: E402
 from vitlab.training.dino import DINOModule, entropy, teacher_temperature  # noqa: E402
@@ -86,6 +88,22 @@ def test_stop_gradient_and_ema_update():
         assert torch.allclose(t1, m * t0 + (1 - m) * s0, atol=1e-6)
 
 
+def test_views_of_one_size_share_a_backbone_pass_with_per_view_results():
+    torch.manual_seed(3)
+    module = DINOModule(**{**TINY, "local_crops": 3})
+    for p in [*module.parameters()]:  # randomised, teacher apart from the student
+        p.data.normal_(0, 0.3)
+    module.model.eval(), module.teacher_model.eval()  # no stochastic depth: the two orders give the same numbers
+    views = module.multicrop(torch.randn(5, 1, 32, 32))
+    teacher, student = module.dino_outputs(views)
+    with torch.no_grad():
+        alone = [module.teacher_head(models.pooled_features(module.teacher_model, v)) for v in views[:2]]
+        alone += [module.head(models.pooled_features(module.model, v)) for v in views]
+    assert [tuple(x.shape) for x in teacher + student] == [tuple(x.shape) for x in alone]
+    for got, want in zip(teacher + student, alone):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_multicrop_view_sizes_and_boxes():
     crop = MultiCrop(global_size=32, local_size=12, local_crops=3, global_scale=(0.4, 1.0), local_scale=(0.1, 0.3))
     images = torch.randn(6, 1, 40, 48)
@@ -99,6 +117,8 @@ def test_multicrop_view_sizes_and_boxes():
     ramp = torch.arange(40.0).repeat(40, 1)[None, None]  # a full-image crop at the same size is the identity
     same = plain.view(ramp, 40, (1.0, 1.0), 0.0)  # (bilinear samples clamp at the outermost pixels)
     assert torch.allclose(same[..., 1:-1], ramp[..., 1:-1], atol=1e-4)
+    fine = torch.rand(3, 1, 60, 60, generator=torch.Generator().manual_seed(2))  # shrinking 3x averages 3 x 3 pixels
+    assert torch.allclose(plain.view(fine, 20, (1.0, 1.0), 0.0), F.avg_pool2d(fine, 3), atol=1e-5)  # (no aliasing)
     with pytest.raises(ValueError, match="global_scale"):
         MultiCrop(global_scale=(0.0, 1.0))
 

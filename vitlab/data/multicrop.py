@@ -1,10 +1,10 @@
 """DINO's multi-crop on a batch of tensors: 2 global + N local views, grayscale-appropriate intensity changes.
 
 Runs on the batch where it lives (GPU included): every view is a random resized crop of each image, sampled
-with ``torchvision.ops.roi_align`` (one batched call per view), a random horizontal flip, a random
-contrast / brightness change and Gaussian noise on the normalised intensities, and a Gaussian blur with a
-view-dependent probability (DINO: 1.0 for the first global view, 0.1 for the second, 0.5 for local views).
-No colour jitter or solarisation: CT / MR intensities are one channel with a physical meaning.
+with ``torchvision.ops.roi_align`` (one batched call per view, area-averaging when a view shrinks its crop), a
+random horizontal flip, a random contrast / brightness change and Gaussian noise on the normalised intensities,
+and a Gaussian blur with a view-dependent probability (DINO: 1.0 for the first global view, 0.1 for the second,
+0.5 for local views). No colour jitter or solarisation: CT / MR intensities are one channel with a physical meaning.
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ class MultiCrop:
         dev = images.device
         boxes = self.boxes(b, hgt, wdt, scale, generator, dev).to(images.dtype)
         rois = torch.cat([torch.arange(b, device=dev, dtype=images.dtype)[:, None], boxes], dim=1)  # (B, 5)
-        out = roi_align(images, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=2, aligned=True)
+        out = roi_align(images, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        # (sampling_ratio -1: torchvision's adaptive ceil(crop / view) samples per output pixel: an area average when
+        # a view shrinks its crop, one bilinear sample when it enlarges it)
         if self.flip:
             flip = torch.rand(b, device=dev, generator=generator) < 0.5
             out = torch.where(flip[:, None, None, None], out.flip(-1), out)

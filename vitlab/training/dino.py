@@ -137,11 +137,28 @@ class DINOModule(TaskModule):
         return cosine_schedule(min(self.global_step, total), total, self.hparams.momentum_start, self.hparams.momentum_end)
 
     def dino_outputs(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(teacher outputs of the 2 global views, student outputs of all views), each (B, K)."""
+        """(teacher outputs of the 2 global views, student outputs of all views), each (B, K).
+
+        Like DINO's ``MultiCropWrapper``, the backbones see the views of one size as one batch (fewer, larger
+        matrix products: ~10 % faster here; every sample is still processed on its own, stochastic depth
+        included); the head then runs per view, so its batch-norm statistics stay per view."""
         with torch.no_grad():
-            teacher = [self.teacher_head(models.pooled_features(self.teacher_model, v)) for v in views[:2]]
-        student = [self.head(models.pooled_features(self.model, v)) for v in views]
+            teacher = [self.teacher_head(f) for f in self._by_size(self.teacher_model, views[:2])]
+        student = [self.head(f) for f in self._by_size(self.model, views)]
         return teacher, student
+
+    @staticmethod
+    def _by_size(model, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pooled features of every view, one backbone pass per distinct view size."""
+        out: list[torch.Tensor | None] = [None] * len(views)
+        sizes: dict[tuple, list[int]] = {}
+        for i, v in enumerate(views):
+            sizes.setdefault(tuple(v.shape[1:]), []).append(i)
+        for idx in sizes.values():
+            feats = models.pooled_features(model, torch.cat([views[i] for i in idx]))
+            for i, f in zip(idx, feats.split([len(views[i]) for i in idx])):
+                out[i] = f
+        return out
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0] if isinstance(batch, (tuple, list)) else batch  # labels ignored
