@@ -57,6 +57,56 @@ def test_cached_figures_write_the_same_images_as_new_ones(tmp_path):
     assert not plt.get_fignums()  # cached figures are not left among pyplot's open figures
 
 
+def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(tmp_path):
+    """``FigureCache(background=True)`` (the callbacks' cache): same PNGs as new figures, every image of a tag in
+    step order, a figure not changed while its last drawing is pending, and a drawing's error raised by flush()."""
+    import threading
+
+    fresh = _report(tmp_path / "fresh", None)
+    cache = FigureCache(background=True)
+    main = threading.get_ident()
+    drawn_on: set[int] = set()
+    import vitlab.tblog as tblog
+
+    original = tblog._draw_and_write
+
+    def recording(canvas, writer, tag, step):
+        drawn_on.add(threading.get_ident())
+        original(canvas, writer, tag, step)
+
+    tblog._draw_and_write = recording
+    try:
+        ref, writer = _state(0), SummaryWriter(str(tmp_path / "background"))
+        prev = ref
+        for step in (1, 2, 3):
+            cur = {k: v + torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) * 0.3 * step for k, v in ref.items()}
+            report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
+            report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
+            prev = cur
+        cache.clear()  # waits for the last drawings (what the callbacks' teardown does)
+        writer.close()
+    finally:
+        tblog._draw_and_write = original
+    assert drawn_on and main not in drawn_on  # drawn off the training thread
+    background = _images(tmp_path / "background")
+    assert background == fresh
+    acc = EventAccumulator(str(tmp_path / "background"), size_guidance={"images": 0})
+    acc.Reload()
+    assert all([e.step for e in acc.Images(tag)] == [1, 2, 3] for tag in acc.Tags()["images"])
+
+    def broken():
+        fig = plt.figure()
+        fig.add_subplot().set_title("$\\badcommand$")  # a mathtext error, raised only when drawn
+        return fig
+
+    failing = FigureCache(background=True)
+    writer = SummaryWriter(str(tmp_path / "broken"))
+    failing.add(writer, "broken", 1, broken, lambda fig: None)  # returns at once: the error comes with flush()
+    with pytest.raises(ValueError):
+        failing.clear()
+    writer.close()
+
+
 @pytest.mark.parametrize("annotate", [False, True])
 def test_updated_heatmap_equals_a_new_one(tmp_path, annotate):
     """Colour range from the data (None) or annotated cells: an updated heatmap is pixel for pixel a new one."""

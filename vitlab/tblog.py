@@ -240,15 +240,27 @@ class FigureCache:
     that logs the same figure every few epochs keeps it here and only changes its data, titles and colour scales.
     The image written is the one a new figure would give (tests compare the pixels). ``layout`` describes what
     fixes the figure's structure (blocks, heads, shapes): a different one builds a new figure.
+
+    ``background=True`` draws (rasterises) each figure and writes its image on one worker thread while training
+    goes on: the caller builds or updates the figure, the thread draws it (matplotlib's Agg renderer and font
+    objects are per figure and per thread); a figure is updated again only after its last drawing is written,
+    images are written in the order they were added, and :meth:`flush` (called by :meth:`clear`) waits for all of
+    them and raises the first error a drawing met.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, background: bool = False) -> None:
         self._figures: dict[str, tuple[Any, Any]] = {}
+        self._background = background
+        self._pool = None
+        self._pending: dict[str, Any] = {}  # tag -> Future of its last drawing
 
     def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
         """Write what ``writer.add_figure(tag, fig, step)`` writes, ``fig = build()`` the first time, then ``update(fig)``."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+        pending = self._pending.pop(tag, None)
+        if pending is not None:
+            pending.result()  # its canvas is drawn before the figure changes
         kept = self._figures.get(tag)
         if kept is None or kept[1] != layout:
             fig = build()
@@ -258,12 +270,37 @@ class FigureCache:
         else:
             canvas = kept[0]
             update(canvas.figure)
-        canvas.draw()  # what add_figure does, on a new canvas each time
-        image = np.moveaxis(np.asarray(canvas.buffer_rgba())[:, :, :3], 2, 0)  # (3, H, W)
-        writer.add_image(tag, image, step, dataformats="CHW")
+        if not self._background:
+            _draw_and_write(canvas, writer, tag, step)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitlab-figures")
+        self._pending[tag] = self._pool.submit(_draw_and_write, canvas, writer, tag, step)
+
+    def flush(self) -> None:
+        """Wait until every image added is written; raise the first error a background drawing met."""
+        pending, self._pending = list(self._pending.values()), {}
+        errors = [f.exception() for f in pending]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def clear(self) -> None:
-        self._figures.clear()
+        try:
+            self.flush()
+        finally:
+            self._figures.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _draw_and_write(canvas, writer, tag: str, step: int) -> None:
+    canvas.draw()  # what add_figure does, on a new canvas each time
+    image = np.moveaxis(np.asarray(canvas.buffer_rgba())[:, :, :3], 2, 0)  # (3, H, W)
+    writer.add_image(tag, image, step, dataformats="CHW")
 
 
 def writer_figures(writer) -> FigureCache:

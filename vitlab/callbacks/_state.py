@@ -104,7 +104,9 @@ class EpochCallback:
         self._dir: Path | None = None
         from vitlab.tblog import FigureCache  # matplotlib: not at import (probe start-up)
 
-        self._figures = FigureCache()  # the figures of the last epoch that drew them, updated by the next one
+        # the figures of the last epoch that drew them, updated by the next one and drawn on a worker thread while
+        # training goes on (teardown, or an exception, waits for the last images before the logger closes)
+        self._figures = FigureCache(background=True)
 
     @property
     def state_key(self) -> str:
@@ -129,3 +131,9 @@ class EpochCallback:
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._figures.clear()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        try:  # before Lightning finalizes the logger: the images drawn so far are kept
+            self._figures.clear()
+        except Exception:  # a drawing error must not hide the exception that stopped the run
+            pass
