@@ -108,7 +108,7 @@ def main() -> None:
     print(f"  supervised step ({size}px):      {t_sup * 1e3:8.1f} ms  {args.batch / t_sup:8.1f} images/s")
     print(f"  DINO / supervised time per image: {t_dino / t_sup:.2f}x  (literature: about 2-3x)")
     print(f"    of which multi-crop augmentation {t_crop * 1e3:.1f} ms ({t_crop / t_dino:.0%}); networks alone {(t_dino - t_crop) / t_sup:.2f}x"
-          f" (2 teacher forwards + student forward/backward of every view; floor 2 + 2/3 = 2.67x before local views)")
+          " (2 teacher forwards + student forward/backward of every view: about 2 + 2/3 = 2.67x by operation count for the global views)")
 
 
 if __name__ == "__main__":
