@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import vitlab  # noqa: F401  (first: its OMP_WAIT_POLICY=PASSIVE must precede torch's thread pool)
+import vitlab  # noqa: F401  (first: its OpenMP spin policy must precede torch's thread pool)
 import pytorch_lightning as pl
 import torch
 import yaml

@@ -6,8 +6,9 @@ Runs, each in its own process and one after the other (side by side, so the rati
 noisy machine where absolute times do not):
 
 1. a bare loop: the quickstart's timm Swin, batch 32 at 64 px, AdamW, forward + backward + step on
-   random tensors, nothing else; 1 thread and one per core, before and after 2.: the fastest is the wall-time
-   floor, the least CPU per step at the quickstart's thread count the CPU-time floor;
+   random tensors, nothing else; with torch's own OpenMP settings on 1 thread and one per core, and with
+   vitlab's (imported first) on one per core, before and after 2.: the fastest is the wall-time floor, the
+   least CPU per step at the quickstart's thread count the CPU-time floor;
 2. the quickstart itself (``python train.py --config configs/quickstart.yaml``, its first ``--epochs`` epochs):
    data workers, validation, metrics, the Q/K/V callbacks' figures and tables, checkpoints; its step time is
    the wall time of ``Trainer.fit`` divided by the optimizer steps;
@@ -38,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BARE = r"""
 import json, sys, time
-import vitlab  # noqa: F401  (same OpenMP wait policy as a vitlab run)
-import torch
+if sys.argv[3] == "vitlab":
+    import vitlab  # noqa: F401  (first: vitlab's OpenMP spin policy, as in a vitlab run)
+import torch  # else torch's own OpenMP settings
 torch.set_num_threads(int(sys.argv[2]))
 import yaml
 from vitlab.models import build_model, parameter_groups
@@ -61,12 +63,12 @@ start, cpu = time.perf_counter(), time.process_time()
 for _ in range(n):
     step()
 out = {"step_s": (time.perf_counter() - start) / n, "cpu_step_s": (time.process_time() - cpu) / n}
-print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads()}))
+print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads(), "openmp": sys.argv[3]}))
 """
 
 QUICKSTART = r"""
 import collections, functools, json, sys, time
-import vitlab  # noqa: F401  (first, as train.py imports it: its OpenMP wait policy precedes torch)
+import vitlab  # noqa: F401  (first, as train.py imports it: its OpenMP spin policy precedes torch)
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loops import evaluation_loop, fetchers, fit_loop
@@ -158,6 +160,9 @@ def report(bare_runs: list[dict], quick: dict, quick_wall: float, quick_cpu: flo
     bare_cpu_run = min(same, key=lambda r: r["cpu_step_s"])
     steps, bare_s, bare_cpu = quick["steps"], bare["step_s"], bare_cpu_run["cpu_step_s"]
     step_s, cpu_step = quick["fit_s"] / steps, quick["fit_cpu_s"] / steps
+    for run in bare_runs:
+        print(f"  bare loop, {run['openmp']:6s} OpenMP settings, {run['threads']} threads: {run['step_s'] * 1e3:6.1f} ms/step, "
+              f"{run['cpu_step_s'] * 1e3:6.1f} CPU-ms/step")
     print(f"bare timm loop      : {bare_s * 1e3:7.1f} ms/step ({bare['threads']} torch threads), {bare_cpu * 1e3:6.1f} CPU-ms/step "
           f"({bare_cpu_run['threads']} threads); {steps} steps = {bare_s * steps:5.1f} s, {bare_cpu * steps:5.1f} CPU-s")
     print(f"quickstart (fit)    : {step_s * 1e3:7.1f} ms/step ({quick['threads']} torch threads), {cpu_step * 1e3:6.1f} CPU-ms/step; "
@@ -191,8 +196,9 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"machine: {cores} usable cores, load average {os.getloadavg()[0]:.1f} (shared machines: compare ratios, not seconds)")
 
-    def bare_runs() -> list[dict]:  # 1 thread and one per core
-        return [run_child(BARE, [str(opts.bare_steps), str(t)])[0] for t in sorted({1, cores})]
+    def bare_runs() -> list[dict]:  # torch's OpenMP settings on 1 thread and one per core, vitlab's on one per core
+        runs = [(1, "torch"), (cores, "torch"), (cores, "vitlab")]
+        return [run_child(BARE, [str(opts.bare_steps), str(t), policy])[0] for t, policy in dict.fromkeys(runs)]
 
     bare = bare_runs()
     steps = opts.epochs * steps_per_epoch()

@@ -116,7 +116,10 @@ def test_user_transforms_get_resize_and_normalize_appended(tmp_path):
         module(root, train_transforms=A.Compose([A.Normalize()]))
 
 
-def test_two_workers_draw_different_augmentations(tmp_path):
+def test_two_workers_draw_different_augmentations(tmp_path, monkeypatch):
+    import vitlab.threads
+
+    monkeypatch.setattr(vitlab.threads, "available_cores", lambda: 4)  # workers are kept on a machine of 4 cores
     root = png_folders(tmp_path, per_class=1, size=32)
     dm = module(root, augment="strong", num_workers=2, batch_size=1, val_fraction=0.0)
     dataset = dm.dataset("train", augmented=True)

@@ -161,7 +161,7 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     )
     from vitlab.threads import configure_threads
 
-    configure_threads(getattr(cli.datamodule, "num_workers", 0))  # threads + workers within the cores
+    configure_threads(getattr(cli.datamodule, "worker_processes", 0))  # torch on the cores beside the workers
     if cli.config.get("ckpt_path"):
         from vitlab.tblog import purge_after_checkpoint
 
@@ -169,7 +169,8 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     log_dir = Path(cli.trainer.log_dir) if cli.trainer.log_dir else None
     existed = log_dir is not None and log_dir.exists()
     try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+        with cli_support.frozen_heap():  # start-up objects skip the full garbage collections of the fit
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     except BaseException:
         if cli.trainer.is_global_zero:  # leave no stub version_N folder for TensorBoard to list
             cli_support.remove_stub_run(log_dir, existed, cli.trainer.global_step)

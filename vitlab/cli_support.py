@@ -6,7 +6,9 @@ module level (``probe.py`` uses the output helpers and must start fast).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gc
 import logging
 import os
 import shutil
@@ -239,6 +241,25 @@ def remove_stub_run(log_dir: Path | None, existed: bool, global_step: int) -> No
     if log_dir is None or existed or global_step > 0 or not log_dir.is_dir() or (log_dir / "checkpoints").exists():
         return
     shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Keep the objects alive before a fit out of Python's full garbage collections during it.
+
+    ``train.py`` imports torch, Lightning, timm and matplotlib (~600 000 tracked objects) before it trains, and a
+    full (generation-2) collection during the fit walks all of them: 0.36 s in the quickstart's, against 0.09 s
+    for one collection before freezing and none during the fit after. ``gc.freeze()`` after a collection moves the survivors to the permanent generation, as CPython's docs
+    advise for long-lived start-up objects (and before forking loader workers, which then do not copy the pages
+    the collector would touch); objects made during the fit are collected as usual. Unfrozen on exit, so a
+    process that fits several times (a notebook, the tests) frees what an earlier fit left behind.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # ---------------------------------------------------------------------------------------------- output

@@ -212,10 +212,16 @@ class MedicalDataModule(pl.LightningDataModule):
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
         )  # fmt: skip
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    @property
+    def worker_processes(self) -> int:
+        """Loader worker processes each loader runs: ``num_workers`` within the cores, none on a CPU-only
+        machine of two cores (:func:`vitlab.threads.loader_workers`); torch's threads take the other cores."""
         from vitlab.threads import loader_workers
 
-        workers = loader_workers(self.num_workers)  # no more workers than cores beside the training process
+        return loader_workers(self.num_workers)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        workers = self.worker_processes
         return DataLoader(
             self.dataset(split, augmented=train),
             batch_size=self.batch_size,
