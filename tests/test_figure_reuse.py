@@ -75,6 +75,9 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
         original(canvas, writer, tag, step)
 
     tblog._draw_and_write = recording
+    import sys
+
+    switch = sys.getswitchinterval()
     try:
         ref, writer = _state(0), SummaryWriter(str(tmp_path / "background"))
         prev = ref
@@ -83,10 +86,14 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
             report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
             report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
             prev = cur
+            # the training thread gets the GIL back quickly while a figure is drawn beside it
+            assert sys.getswitchinterval() == pytest.approx(min(switch, tblog.GIL_SWITCH_S))
         cache.clear()  # waits for the last drawings (what the callbacks' teardown does)
+        assert sys.getswitchinterval() == switch  # restored
         writer.close()
     finally:
         tblog._draw_and_write = original
+        sys.setswitchinterval(switch)
     assert drawn_on and main not in drawn_on  # drawn off the training thread
     background = _images(tmp_path / "background")
     assert background == fresh
