@@ -101,7 +101,7 @@ def configure_threads(workers: int = 0) -> int:
 
     Cores that other processes keep busy when the run starts (:func:`busy_cores`) are left to them: on a busy
     machine a parallel operation waits for its slowest thread, and a thread that has to wait for a core makes
-    every step wait (the quickstart beside two busy processes: 91 s on two threads, 67-72 s on one).
+    every step wait (the quickstart beside two busy processes: 91 s on two threads, 67-81 s on one).
 
     Loader workers (:func:`loader_workers`; none on a CPU-only machine of two cores) run on one thread each. OpenCV
     (albumentations' backend) would start one thread per core; where torch already uses every core they only
