@@ -88,8 +88,14 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
             prev = cur
             # the training thread gets the GIL back quickly while a figure is drawn beside it
             assert sys.getswitchinterval() == pytest.approx(min(switch, tblog.GIL_SWITCH_S))
+        other = FigureCache(background=True)  # another callback's cache, cleared after this one
+        other_writer = SummaryWriter(str(tmp_path / "other"))
+        other.add(other_writer, "other", 1, plt.figure, lambda fig: None)
         cache.clear()  # waits for the last drawings (what the callbacks' teardown does)
-        assert sys.getswitchinterval() == switch  # restored
+        assert sys.getswitchinterval() == pytest.approx(min(switch, tblog.GIL_SWITCH_S))  # other thread still drawing
+        other.clear()
+        other_writer.close()
+        assert sys.getswitchinterval() == switch  # restored once the last figure thread is gone
         writer.close()
     finally:
         tblog._draw_and_write = original

@@ -249,10 +249,11 @@ def frozen_heap():
 
     ``train.py`` imports torch, Lightning, timm and matplotlib (~600 000 tracked objects) before it trains, and a
     full (generation-2) collection during the fit walks all of them: 0.36 s in the quickstart's, against 0.09 s
-    for one collection before freezing and none during the fit after. ``gc.freeze()`` after a collection moves the survivors to the permanent generation, as CPython's docs
-    advise for long-lived start-up objects (and before forking loader workers, which then do not copy the pages
-    the collector would touch); objects made during the fit are collected as usual. Unfrozen on exit, so a
-    process that fits several times (a notebook, the tests) frees what an earlier fit left behind.
+    for one collection before freezing and none during the fit after. ``gc.freeze()`` after a collection moves
+    the survivors to the permanent generation, as CPython's docs advise for long-lived start-up objects (and
+    before forking loader workers, which then do not copy the pages the collector would touch); objects made
+    during the fit are collected as usual. Unfrozen on exit, so a process that fits several times (a notebook,
+    the tests) frees what an earlier fit left behind.
     """
     gc.collect()
     gc.freeze()

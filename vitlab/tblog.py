@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,25 @@ def update_heatmap(fig, matrix: torch.Tensor | np.ndarray, *, title: str = "", v
 
 
 GIL_SWITCH_S = 0.0005  # GIL switch interval while figures are drawn beside training (CPython's default: 0.005)
+_SWITCH_LOCK = threading.Lock()
+_SWITCH_STATE = {"threads": 0, "saved": 0.005}  # figure threads alive; the interval before the first of them
+
+
+def _figure_thread_started() -> None:
+    """Lower the GIL switch interval while any figure thread exists (each callback has its own cache)."""
+    with _SWITCH_LOCK:
+        if _SWITCH_STATE["threads"] == 0:
+            _SWITCH_STATE["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_SWITCH_STATE["saved"], GIL_SWITCH_S))
+        _SWITCH_STATE["threads"] += 1
+
+
+def _figure_thread_stopped() -> None:
+    """Restore the interval the process had when the last figure thread is gone."""
+    with _SWITCH_LOCK:
+        _SWITCH_STATE["threads"] -= 1
+        if _SWITCH_STATE["threads"] == 0:
+            sys.setswitchinterval(_SWITCH_STATE["saved"])
 
 
 class FigureCache:
@@ -249,10 +269,11 @@ class FigureCache:
     goes on: the caller builds or updates the figure, the thread draws it (matplotlib's Agg renderer and font
     objects are per figure and per thread); a figure is updated again only after its last drawing is written,
     images are written in the order they were added, and :meth:`flush` (called by :meth:`clear`) waits for all of
-    them and raises the first error a drawing met. While the thread exists the interpreter's GIL switch interval
-    is at most :data:`GIL_SWITCH_S` (restored by :meth:`clear`): the training thread takes the GIL back after
-    each of a step's thousands of torch operations, and with CPython's default of 5 ms a drawing thread in
-    matplotlib's Python code held it long enough to stall them (quickstart fit 35.7-41.8 s against 33.7-34.4 s).
+    them and raises the first error a drawing met. While any such thread exists the interpreter's GIL switch
+    interval is at most :data:`GIL_SWITCH_S` (restored when the last such cache is cleared): the training
+    thread takes the GIL back after each of a step's thousands of torch operations, and with CPython's default
+    of 5 ms a drawing thread in matplotlib's Python code held it long enough to stall them (quickstart fit
+    35.7-41.8 s against 33.7-34.4 s).
     """
 
     def __init__(self, background: bool = False) -> None:
@@ -260,7 +281,6 @@ class FigureCache:
         self._background = background
         self._pool = None
         self._pending: dict[str, Any] = {}  # tag -> Future of its last drawing
-        self._switch_interval = sys.getswitchinterval()
 
     def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
         """Write what ``writer.add_figure(tag, fig, step)`` writes, ``fig = build()`` the first time, then ``update(fig)``."""
@@ -285,8 +305,7 @@ class FigureCache:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitlab-figures")
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
+            _figure_thread_started()
         self._pending[tag] = self._pool.submit(_draw_and_write, canvas, writer, tag, step)
 
     def flush(self) -> None:
@@ -305,7 +324,7 @@ class FigureCache:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-                sys.setswitchinterval(self._switch_interval)
+                _figure_thread_stopped()
 
 
 def _draw_and_write(canvas, writer, tag: str, step: int) -> None:

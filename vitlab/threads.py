@@ -3,10 +3,11 @@
 torch's intra-op threads use the cores the process may run on (affinity mask and cgroup quota) beside its loader
 workers, less those other processes keep busy when the run starts; loader workers are at most one fewer than the
 cores (none on a CPU-only machine of two cores, where torch's two threads train faster with batches loaded
-in-process) and run on one thread each (torch's and OpenCV's). Idle OpenMP threads spin about 0.1 ms before they sleep (``GOMP_SPINCOUNT``, set
-when vitlab is imported before torch; see ``vitlab/__init__.py``): long enough for the next small operation of a
-training step, short enough that threads waiting for a core on a busy machine do not burn it (a quickstart that
-took 153 CPU-seconds when quiet took 933 under load with OpenMP's default spinning). ``VITLAB_THREADS`` or
+in-process) and run on one thread each (torch's and OpenCV's). Idle OpenMP threads spin about 0.1 ms before they
+sleep (``GOMP_SPINCOUNT``, set when vitlab is imported before torch; see ``vitlab/__init__.py``): long enough
+for the next small operation of a training step, short enough that threads waiting for a core on a busy machine
+do not burn it (a quickstart that took 153 CPU-seconds when quiet took 933 under load with OpenMP's default
+spinning). ``VITLAB_THREADS`` or
 ``OMP_NUM_THREADS`` pick the thread count instead (``VITLAB_THREADS=1`` on a machine other jobs keep busy).
 """
 
@@ -103,8 +104,8 @@ def configure_threads(workers: int = 0) -> int:
     machine a parallel operation waits for its slowest thread, and a thread that has to wait for a core makes
     every step wait (the quickstart beside two busy processes: 91 s on two threads, 67-81 s on one).
 
-    Loader workers (:func:`loader_workers`; none on a CPU-only machine of two cores) run on one thread each. OpenCV
-    (albumentations' backend) would start one thread per core; where torch already uses every core they only
+    Loader workers (:func:`loader_workers`; none on a CPU-only machine of two cores) run on one thread each.
+    OpenCV (albumentations' backend) would start one thread per core; where torch already uses every core they only
     compete with it, in the training process as in the workers (:func:`vitlab.data.transforms.seed_worker`).
     A thread count the user chose (``VITLAB_THREADS`` / ``OMP_NUM_THREADS``) is kept.
     """
