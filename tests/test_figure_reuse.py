@@ -58,8 +58,8 @@ def test_cached_figures_write_the_same_images_as_new_ones(tmp_path):
 
 
 def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(tmp_path):
-    """``FigureCache(background=True)`` (the callbacks' cache): same PNGs as new figures, every image of a tag in
-    step order, a figure not changed while its last drawing is pending, and a drawing's error raised by flush()."""
+    """``FigureCache(background=True)`` (the callbacks' caches): same PNGs as new figures, every image of a tag in
+    step order, all caches on one figure thread, and a drawing's error raised by flush()."""
     import threading
 
     fresh = _report(tmp_path / "fresh", None)
@@ -68,13 +68,23 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
     drawn_on: set[int] = set()
     import vitlab.tblog as tblog
 
-    original = tblog._draw_and_write
+    original = tblog._draw
 
-    def recording(canvas, writer, tag, step):
+    def recording(kept):
         drawn_on.add(threading.get_ident())
-        original(canvas, writer, tag, step)
+        original(kept)
 
-    tblog._draw_and_write = recording
+    tblog._draw = recording
+    from vitlab.callbacks import drift
+
+    built_on: set[int] = set()
+    build_local = drift.local_drift_figure
+
+    def recording_build(*args):
+        built_on.add(threading.get_ident())
+        return build_local(*args)
+
+    drift.local_drift_figure = recording_build
     import sys
 
     switch = sys.getswitchinterval()
@@ -98,9 +108,11 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
         assert sys.getswitchinterval() == switch  # restored once the last figure thread is gone
         writer.close()
     finally:
-        tblog._draw_and_write = original
+        tblog._draw = original
+        drift.local_drift_figure = build_local
         sys.setswitchinterval(switch)
-    assert drawn_on and main not in drawn_on  # drawn off the training thread
+    assert len(drawn_on) == 1 and main not in drawn_on  # every cache draws on the one figure thread, not the training one
+    assert built_on == drawn_on  # built there too
     background = _images(tmp_path / "background")
     assert background == fresh
     acc = EventAccumulator(str(tmp_path / "background"), size_guidance={"images": 0})
@@ -118,6 +130,23 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
     with pytest.raises(ValueError):
         failing.clear()
     writer.close()
+
+    # a run that stopped on an error closes its writer with images still pending: they are dropped, not written to
+    # a new event file that the closed writer would open
+    late = FigureCache(background=True)
+    writer = SummaryWriter(str(tmp_path / "late"))
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(10)
+        return plt.figure()
+
+    late.add(writer, "late", 1, slow, lambda fig: None)
+    writer.close()
+    files = sorted(p.name for p in (tmp_path / "late").iterdir())
+    gate.set()
+    late.clear()
+    assert sorted(p.name for p in (tmp_path / "late").iterdir()) == files and "late" not in _images(tmp_path / "late")
 
 
 @pytest.mark.parametrize("annotate", [False, True])
@@ -168,7 +197,7 @@ def test_confusion_matrix_update_rewrites_the_counts(tmp_path):
     for writer in writers.values():
         writer.close()
     assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
-    fig = cache._figures["val/confusion_matrix"][0].figure
+    fig = cache._figures["val/confusion_matrix"].canvas.figure
     assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "1.23e+03"]
 
 

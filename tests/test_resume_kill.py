@@ -18,6 +18,7 @@ import torch
 from tests.test_train_e2e import events, tiny_args
 from vitlab.callbacks._state import load_snapshot, qkv_state
 from vitlab.cli import fit
+from vitlab.tblog import flush_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +33,7 @@ class SigkillAfterEpoch(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == self.epoch:
+            flush_figures()  # the images drawn so far on the figure thread (a kill loses those still queued)
             trainer.logger.experiment.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -147,14 +147,16 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
 def write_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], fieldnames: Sequence[str] | None = None) -> Path:
     """Write dict rows to a CSV file atomically (columns from ``fieldnames`` or the first row)."""
     rows = list(rows)
-    if fieldnames is None:
-        fieldnames = list(rows[0].keys()) if rows else []
+    fieldnames = list(rows[0].keys() if rows else []) if fieldnames is None else list(fieldnames)
+    known = set(fieldnames)
+    for row in rows:
+        if row.keys() - known:
+            raise ValueError(f"{path}: row has columns {sorted(row.keys() - known)} not among {fieldnames}")
     with atomic_path(path) as tmp:
         with open(tmp, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(fieldnames))
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({k: _plain(v) for k, v in row.items()})
+            writer = csv.writer(handle)
+            writer.writerow(fieldnames)  # (csv.writer, not DictWriter: a table of every Q/K/V row each epoch)
+            writer.writerows([_plain(row.get(k, "")) for k in fieldnames] for row in rows)
     return Path(path)
 
 
@@ -166,6 +168,8 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
 
 
 def _plain(value: Any) -> Any:
+    if type(value) is float:
+        return float(f"{value:.8g}")
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, np.generic):
@@ -173,6 +177,27 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float(f"{value:.8g}")
     return value
+
+
+def new_figure(figsize: tuple[float, float], dpi: int = 90):
+    """A matplotlib ``Figure`` on its own Agg canvas, outside pyplot's figure list.
+
+    Not through pyplot: vitlab's figures are built and drawn on a worker thread beside training, and pyplot's
+    global figure registry is not thread-safe (nor needed to render to an image).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def redrawn(fig, *artists):
+    """Mark artists of ``fig`` that change between a cached figure's images (see :class:`FigureCache`), in the
+    order they are drawn; returns the first. Only the cache reads the mark: the figure draws as any other."""
+    fig.__dict__.setdefault("_vitlab_redrawn", []).extend(artists)
+    return artists[0] if artists else None
 
 
 def heatmap_figure(
@@ -196,8 +221,9 @@ def heatmap_figure(
     rows, cols = data.shape
     if figsize is None:
         figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
-    fig, ax = plt.subplots(figsize=figsize, dpi=90)
-    colormap = plt.get_cmap(cmap).with_extremes(bad=nan_color)
+    fig = new_figure(figsize)
+    ax = fig.subplots()
+    colormap = matplotlib.colormaps[cmap].with_extremes(bad=nan_color)
     im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
     cbar = fig.colorbar(im, ax=ax)
     if colorbar_label:
@@ -236,25 +262,63 @@ def update_heatmap(fig, matrix: torch.Tensor | np.ndarray, *, title: str = "", v
 
 
 GIL_SWITCH_S = 0.0005  # GIL switch interval while figures are drawn beside training (CPython's default: 0.005)
-_SWITCH_LOCK = threading.Lock()
-_SWITCH_STATE = {"threads": 0, "saved": 0.005}  # figure threads alive; the interval before the first of them
+_FIGURE_LOCK = threading.Lock()
+_FIGURE_THREAD: dict[str, Any] = {"pool": None, "users": 0, "saved": 0.005}  # the shared thread, its caches, the interval
 
 
-def _figure_thread_started() -> None:
-    """Lower the GIL switch interval while any figure thread exists (each callback has its own cache)."""
-    with _SWITCH_LOCK:
-        if _SWITCH_STATE["threads"] == 0:
-            _SWITCH_STATE["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_SWITCH_STATE["saved"], GIL_SWITCH_S))
-        _SWITCH_STATE["threads"] += 1
+def _figure_thread_started():
+    """The one figure thread of the process (started for its first user), with a lowered GIL switch interval."""
+    with _FIGURE_LOCK:
+        if _FIGURE_THREAD["users"] == 0:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _FIGURE_THREAD["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_FIGURE_THREAD["saved"], GIL_SWITCH_S))
+            _FIGURE_THREAD["pool"] = ThreadPoolExecutor(1, thread_name_prefix="vitlab-figures", initializer=_background_priority)
+        _FIGURE_THREAD["users"] += 1
+        return _FIGURE_THREAD["pool"]
+
+
+def _background_priority() -> None:
+    """Lowest CPU priority for the calling thread (Linux: a thread id is a ``PRIO_PROCESS`` target)."""
+    import os
+
+    if os.environ.get("VITLAB_FIGURE_NICE", "1") == "0":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        pass
 
 
 def _figure_thread_stopped() -> None:
-    """Restore the interval the process had when the last figure thread is gone."""
-    with _SWITCH_LOCK:
-        _SWITCH_STATE["threads"] -= 1
-        if _SWITCH_STATE["threads"] == 0:
-            sys.setswitchinterval(_SWITCH_STATE["saved"])
+    """One user less; the last one stops the thread and restores the interval the process had."""
+    with _FIGURE_LOCK:
+        _FIGURE_THREAD["users"] -= 1
+        if _FIGURE_THREAD["users"] == 0:
+            _FIGURE_THREAD["pool"].shutdown(wait=True)
+            _FIGURE_THREAD["pool"] = None
+            sys.setswitchinterval(_FIGURE_THREAD["saved"])
+
+
+def flush_figures() -> None:
+    """Wait for every figure queued on the figure thread so far, of every cache (as ``writer.flush()`` waits for
+    the events queued so far). Images still queued when a process is killed are lost, like unflushed events."""
+    with _FIGURE_LOCK:
+        pool = _FIGURE_THREAD["pool"]
+    if pool is not None:
+        pool.submit(int).result()  # the thread runs its queue in order
+
+
+class _Kept:
+    """A cached figure: its canvas, the layout it was built for, and its static background once blitted."""
+
+    __slots__ = ("canvas", "layout", "animated", "background")
+
+    def __init__(self, canvas, layout: Any) -> None:
+        self.canvas, self.layout = canvas, layout
+        self.animated = list(canvas.figure.__dict__.get("_vitlab_redrawn", ()))  # see redrawn()
+        self.background = None
 
 
 class FigureCache:
@@ -262,55 +326,59 @@ class FigureCache:
 
     Building a matplotlib figure (axes, ticks, colour bars, layout) costs about as much as drawing it; a callback
     that logs the same figure every few epochs keeps it here and only changes its data, titles and colour scales.
-    The image written is the one a new figure would give (tests compare the pixels). ``layout`` describes what
-    fixes the figure's structure (blocks, heads, shapes): a different one builds a new figure.
+    ``layout`` describes what fixes the figure's structure (blocks, heads, shapes): a different one builds a new
+    figure. The image written is the one a new figure would give (tests compare the pixels).
 
-    ``background=True`` draws (rasterises) each figure and writes its image on one worker thread while training
-    goes on: the caller builds or updates the figure, the thread draws it (matplotlib's Agg renderer and font
-    objects are per figure and per thread); a figure is updated again only after its last drawing is written,
-    images are written in the order they were added, and :meth:`flush` (called by :meth:`clear`) waits for all of
-    them and raises the first error a drawing met. While any such thread exists the interpreter's GIL switch
-    interval is at most :data:`GIL_SWITCH_S` (restored when the last such cache is cleared): the training
-    thread takes the GIL back after each of a step's thousands of torch operations, and with CPython's default
-    of 5 ms a drawing thread in matplotlib's Python code held it long enough to stall them (quickstart fit
-    35.7-41.8 s against 33.7-34.4 s).
+    Blitting (matplotlib's ``copy_from_bbox`` / ``restore_region``): when a figure marks the artists that change
+    with :func:`redrawn` (its images, colour-bar axes, titles), everything else is rasterised once, and each
+    image restores that background and draws only the marked artists, in the order marked. Such a figure must
+    keep everything else unchanged in ``update`` (fixed layout, fixed ticks).
+
+    ``background=True`` (the callbacks' caches) builds, updates, draws and writes each figure on the process's one
+    figure thread while training goes on: ``build`` and ``update`` must carry their data (no late-bound loop
+    variables), and run on that thread. Images of a cache are written in the order they were added; :meth:`flush`
+    (called by :meth:`clear`) waits for them and raises the first error a figure met. While any such cache is in
+    use the interpreter's GIL switch interval is at most :data:`GIL_SWITCH_S` (restored when the last is cleared):
+    the training thread takes the GIL back after each of a step's thousands of torch operations, and with
+    CPython's default of 5 ms a drawing thread in matplotlib's Python code held it long enough to stall them
+    (quickstart fit 35.7-41.8 s against 33.7-34.4 s). An image finished after its writer was closed (a run that
+    stopped on an error) is dropped, not written to a reopened event file.
     """
 
     def __init__(self, background: bool = False) -> None:
-        self._figures: dict[str, tuple[Any, Any]] = {}
+        self._figures: dict[str, _Kept] = {}
         self._background = background
-        self._pool = None
-        self._pending: dict[str, Any] = {}  # tag -> Future of its last drawing
+        self._pool = None  # the shared figure thread while this cache uses it
+        self._pending: list[Any] = []  # Futures of the images added and not yet known to be written
 
     def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
         """Write what ``writer.add_figure(tag, fig, step)`` writes, ``fig = build()`` the first time, then ``update(fig)``."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        pending = self._pending.pop(tag, None)
-        if pending is not None:
-            pending.result()  # its canvas is drawn before the figure changes
-        kept = self._figures.get(tag)
-        if kept is None or kept[1] != layout:
-            fig = build()
-            plt.close(fig)  # kept here, not among pyplot's open figures
-            canvas = FigureCanvasAgg(fig)  # one canvas: its renderer keeps text metrics between draws
-            self._figures[tag] = (canvas, layout)
-        else:
-            canvas = kept[0]
-            update(canvas.figure)
         if not self._background:
-            _draw_and_write(canvas, writer, tag, step)
+            self._add_now(writer, tag, step, build, update, layout)
             return
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
+            self._pool = _figure_thread_started()
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        self._pending.append(self._pool.submit(self._add_now, writer, tag, step, build, update, layout))
 
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitlab-figures")
-            _figure_thread_started()
-        self._pending[tag] = self._pool.submit(_draw_and_write, canvas, writer, tag, step)
+    def _add_now(self, writer, tag: str, step: int, build, update, layout: Any) -> None:
+        kept = self._figures.get(tag)
+        if kept is None or kept.layout != layout:
+            fig = build()
+            if fig.canvas.manager is not None:  # a pyplot figure: kept here, not among pyplot's open figures
+                plt.close(fig)
+            canvas = fig.canvas if isinstance(fig.canvas, _agg_canvas()) else _agg_canvas()(fig)  # its renderer keeps text metrics
+            self._figures[tag] = kept = _Kept(canvas, layout)
+        else:
+            update(kept.canvas.figure)
+        if self._background and getattr(writer, "all_writers", True) is None:
+            return  # the writer was closed (the run stopped): nothing is written after it
+        _draw(kept)
+        _write(kept.canvas, writer, tag, step)
 
     def flush(self) -> None:
-        """Wait until every image added is written; raise the first error a background drawing met."""
-        pending, self._pending = list(self._pending.values()), {}
+        """Wait until every image added is written; raise the first error a background figure met."""
+        pending, self._pending = self._pending, []
         errors = [f.exception() for f in pending]
         for error in errors:
             if error is not None:
@@ -322,13 +390,39 @@ class FigureCache:
         finally:
             self._figures.clear()
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
                 self._pool = None
                 _figure_thread_stopped()
 
 
-def _draw_and_write(canvas, writer, tag: str, step: int) -> None:
-    canvas.draw()  # what add_figure does, on a new canvas each time
+def _agg_canvas():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return FigureCanvasAgg
+
+
+def _draw(kept: _Kept) -> None:
+    """Rasterise a cached figure: whole, or its animated artists over the kept static background."""
+    canvas, fig = kept.canvas, kept.canvas.figure
+    if not kept.animated:
+        canvas.draw()  # what add_figure does, on a new canvas each time
+        return
+    if kept.background is None:
+        visible = [a.get_visible() for a in kept.animated]
+        for artist in kept.animated:
+            artist.set_visible(False)
+        canvas.draw()
+        kept.background = canvas.copy_from_bbox(fig.bbox)
+        for artist, shown in zip(kept.animated, visible):
+            artist.set_visible(shown)
+    else:
+        canvas.restore_region(kept.background)
+    renderer = canvas.get_renderer()
+    for artist in kept.animated:
+        if artist.get_visible():
+            artist.draw(renderer)
+
+
+def _write(canvas, writer, tag: str, step: int) -> None:
     image = np.moveaxis(np.asarray(canvas.buffer_rgba())[:, :, :3], 2, 0)  # (3, H, W)
     writer.add_image(tag, image, step, dataformats="CHW")
 
@@ -337,8 +431,15 @@ def writer_figures(writer) -> FigureCache:
     """The :class:`FigureCache` of a TensorBoard writer (one per run, for modules that keep no state of their own)."""
     cache = getattr(writer, "_vitlab_figures", None)
     if cache is None:
-        cache = writer._vitlab_figures = FigureCache()
+        cache = writer._vitlab_figures = FigureCache(background=True)
     return cache
+
+
+def close_writer_figures(writer) -> None:
+    """Write the images still pending in :func:`writer_figures` and free its figures (before the writer closes)."""
+    cache = getattr(writer, "_vitlab_figures", None)
+    if cache is not None:
+        cache.clear()
 
 
 def log_figure(writer, tag: str, step: int, build, update=None, cache: FigureCache | None = None, layout: Any = None) -> None:

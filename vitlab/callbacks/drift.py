@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,14 @@ from vitlab.tblog import (
     figures_due,
     heatmap_figure,
     log_figure,
+    new_figure,
+    redrawn,
     save_safetensors,
     tensorboard_writer,
     update_heatmap,
     write_csv,
     write_layout_once,
 )
-import matplotlib.pyplot as plt
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
 MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
@@ -112,28 +114,35 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True,
     for name in DRIFT_METRICS + ("rel_frobenius",):
         grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
         title = f"{name} vs reference (mean over rows), step {step}"
-        log_figure(
+        log_figure(  # (partial: the figure may be drawn later, on the figure thread, with this loop's values)
             writer, f"drift_map/{name}", step,
-            lambda: heatmap_figure(
-                grid, title=title, xticklabels=blocks, yticklabels=[m.upper() for m in MATRICES], xlabel="block",
-                figsize=(3.0 + 0.32 * len(blocks), 3.4),
-            ),
-            lambda fig: update_heatmap(fig, grid, title=title), cache, layout=tuple(blocks),
+            partial(heatmap_figure, grid, title=title, xticklabels=blocks, yticklabels=[m.upper() for m in MATRICES], xlabel="block",
+                    figsize=(3.0 + 0.32 * len(blocks), 3.4)),
+            partial(_update_heatmap, grid, title), cache, layout=tuple(blocks),
         )  # fmt: skip
     if not local_maps:
         return
     for block in blocks:
         grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES] for name in LOCAL_METRICS}
         log_figure(
-            writer, f"drift_local/{block}", step, lambda: local_drift_figure(block, grids, step),
-            lambda fig: update_local_drift_figure(fig, block, grids, step), cache, layout=(tuple(grids), tuple(grids[LOCAL_METRICS[0]][0].shape)),
+            writer, f"drift_local/{block}", step, partial(local_drift_figure, block, grids, step),
+            partial(_update_local, block, grids, step), cache, layout=(tuple(grids), tuple(grids[LOCAL_METRICS[0]][0].shape)),
         )  # fmt: skip
+
+
+def _update_heatmap(grid, title, fig) -> None:
+    update_heatmap(fig, grid, title=title)
+
+
+def _update_local(block, grids, step, fig) -> None:
+    update_local_drift_figure(fig, block, grids, step)
 
 
 def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: int):
     """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
     Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
-    fig, axes = plt.subplots(len(grids), len(MATRICES), figsize=(7.2, 1.2 + 1.7 * len(grids)), dpi=90, squeeze=False, sharex=True, sharey=True)
+    fig = new_figure((7.2, 1.2 + 1.7 * len(grids)))
+    axes = fig.subplots(len(grids), len(MATRICES), squeeze=False, sharex=True, sharey=True)
     fig.subplots_adjust(left=0.12, right=0.86, bottom=0.13, top=0.85, wspace=0.08, hspace=0.3)
     heads, head_dim = next(iter(grids.values()))[0].shape
     axes[0, 0].set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
@@ -143,6 +152,7 @@ def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: i
         for c, (m, grid) in enumerate(zip(MATRICES, per_matrix)):
             ax = axes[r, c]
             im = ax.imshow(grid.double().numpy(), aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=vmax)
+            redrawn(fig, im, *ax.spines.values())  # over the kept background (see FigureCache); spines above the image
             ax.tick_params(labelsize=7, labelleft=c == 0, labelbottom=r == len(grids) - 1)
             if r == 0:
                 ax.set_title(m.upper(), fontsize=10)
@@ -155,7 +165,8 @@ def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: i
         cbar = fig.colorbar(im, cax=cax, ticks=[0.0, vmax / 2, vmax])
         cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
         cbar.ax.tick_params(labelsize=7)
-    fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
+        redrawn(fig, cax)
+    redrawn(fig, fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10))
     return fig
 
 

@@ -6,16 +6,17 @@ Shared by the QKSpectra callback (:mod:`vitlab.callbacks.spectra_callback`) and 
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
+import matplotlib
 import numpy as np
 import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import block_stage
-from vitlab.tblog import FigureCache, heatmap_figure, log_figure, update_heatmap, write_csv
+from vitlab.tblog import FigureCache, heatmap_figure, log_figure, new_figure, update_heatmap, write_csv
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -38,8 +39,9 @@ def spectra_rows(spectra: dict[str, Any], epoch: int | None = None) -> list[dict
 
 def stage_figure(stage: str, spectra: dict[str, Any]):
     """Seed 002's Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values."""
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), dpi=90)
-    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(spectra), 1)))
+    fig = new_figure((12, 3.4))
+    axes = fig.subplots(1, 3)
+    colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, max(len(spectra), 1)))
     for color, (block, s) in zip(colors, spectra.items()):
         label = block.split(".", 1)[1]
         sym = s.summed.sym_eigvals[0].double().cpu().numpy()
@@ -75,6 +77,14 @@ def update_stage_figure(fig, spectra: dict[str, Any]) -> None:
         ax.autoscale_view()
 
 
+def _update_stage(group, fig) -> None:
+    update_stage_figure(fig, group)
+
+
+def _update_positive_mass(grid, title, fig) -> None:
+    update_heatmap(fig, grid, title=title, vmin=0.0, vmax=1.0)
+
+
 def report_spectra(
     writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True,
     figure_cache: FigureCache | None = None,
@@ -90,9 +100,9 @@ def report_spectra(
         by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
         for block, s in spectra.items():
             by_stage[block_stage(block)][block] = s
-        for stage, group in by_stage.items():
-            log_figure(writer, f"spectra_figure/{stage}", step, lambda: stage_figure(stage, group),
-                       lambda fig: update_stage_figure(fig, group), figure_cache,
+        for stage, group in by_stage.items():  # (partial: the figure may be drawn later, with this loop's values)
+            log_figure(writer, f"spectra_figure/{stage}", step, partial(stage_figure, stage, group),
+                       partial(_update_stage, group), figure_cache,
                        layout=tuple((b, len(s.summed.sym_eigvals[0]), len(s.summed.asym_imag[0]), len(s.summed.singular_values[0])) for b, s in group.items()))
         max_heads = max(len(s.positive_mass) for s in spectra.values())
         grid = torch.full((len(spectra), max_heads), float("nan"))
@@ -100,7 +110,8 @@ def report_spectra(
             grid[i, : len(s.positive_mass)] = s.positive_mass.float()
         blocks = list(spectra)
         title = f"positive mass of sym(W_Q W_K^T), step {step}"
-        build = lambda: heatmap_figure(  # noqa: E731
+        build = partial(
+            heatmap_figure,
             grid,
             title=title,
             xlabel="head (white: the block has fewer heads)",
@@ -114,8 +125,8 @@ def report_spectra(
             nan_color="white",
             figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
         )
-        update = lambda fig: update_heatmap(fig, grid, title=title, vmin=0.0, vmax=1.0)  # noqa: E731
-        log_figure(writer, "spectra_heads/positive_mass", step, build, update, figure_cache, layout=(tuple(blocks), max_heads))
+        log_figure(writer, "spectra_heads/positive_mass", step, build, partial(_update_positive_mass, grid, title), figure_cache,
+                   layout=(tuple(blocks), max_heads))
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 

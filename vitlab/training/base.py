@@ -75,6 +75,15 @@ class TaskModule(pl.LightningModule):
         for logger in self.loggers:
             logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
 
+    def teardown(self, stage: str) -> None:
+        """Write the images still being drawn on the figure thread (the confusion matrix) before the logger closes."""
+        from vitlab.tblog import close_writer_figures
+
+        for logger in getattr(self._trainer, "loggers", None) or []:
+            writer = getattr(logger, "_experiment", None)  # (not .experiment: that would open a writer)
+            if writer is not None:
+                close_writer_figures(writer)
+
     def optimizer_groups(self) -> list[dict]:
         """AdamW groups of ``self.model`` (:func:`vitlab.models.parameter_groups`: no weight decay on norms, biases,
         position tables; ``lr_scale`` from ``layer_decay``). A task with trainable modules outside ``self.model``

@@ -137,8 +137,9 @@ class ClassificationModule(TaskModule):
         if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
             writer = tensorboard_writer(self.trainer)
             if writer is not None:  # at val/*'s step; the figure is kept with the writer and updated next time
-                log_figure(writer, "val/confusion_matrix", logging_step(self.trainer), lambda: confusion_matrix_figure(confusion, self.class_names),
-                           lambda fig: update_heatmap(fig, confusion, title=CONFUSION_TITLE), writer_figures(writer), tuple(self.class_names))
+                names = list(self.class_names)  # (drawn later on the figure thread: build and update carry their data)
+                log_figure(writer, "val/confusion_matrix", logging_step(self.trainer), lambda: confusion_matrix_figure(confusion, names),
+                           lambda fig: update_heatmap(fig, confusion, title=CONFUSION_TITLE), writer_figures(writer), tuple(names))
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._step(batch, self.test_metrics, "test")
