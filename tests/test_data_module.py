@@ -239,6 +239,53 @@ def test_decoded_array_cache(tiny_dataset, tmp_path):
         module(tiny_dataset, cache=True, cache_dir=str(tiny_dataset.parent / "cache"))
 
 
+def test_memory_cache_decodes_each_file_once_within_its_budget(tiny_dataset, monkeypatch):
+    """Items from memory equal items decoded again; each file is decoded once; the budget holds; a transform that
+    changes its input in place cannot change what is kept; 0 turns it off; a bad budget is one clear line."""
+    from vitlab.data.cache import MemoryCache
+
+    decoded: list[str] = []
+    original = io_module.ImageReader.__call__
+
+    def counting(self, path):
+        decoded.append(str(path))
+        return original(self, path)
+
+    monkeypatch.setattr(io_module.ImageReader, "__call__", counting)
+    plain = module(tiny_dataset, memory_cache_mb=0, augment="light")
+    cached = module(tiny_dataset, augment="light")
+    assert plain.memory is None and cached.memory.budget_bytes == 512 * 2**20
+    for split, augmented in (("val", False), ("train", True)):
+        expected_ds, ds = plain.dataset(split, augmented=augmented), cached.dataset(split, augmented=augmented)
+        for epoch in range(2):  # the augmenting pipelines draw the same random numbers in both
+            for i in range(len(ds)):
+                (a, la), (b, lb) = expected_ds[i], ds[i]
+                assert la == lb and torch.equal(a, b), (split, epoch, i)
+    files = [str(s.path) for s in cached.samples("val") + cached.samples("train")]
+    assert decoded.count(files[0]) == 2 + 1 and decoded.count(files[-1]) == 2 + 1  # plain: 2 epochs, cached: once
+    # validation keeps finished tensors, training the images before augmentation
+    kinds = {key[0] for key in cached.memory._items}
+    assert kinds == {True, False} and len(cached.memory) == len(files)
+
+    def scribble(image, **kwargs):  # an in-place user transform
+        image[...] = 0
+        return {"image": image}
+
+    ds = cached.dataset("train", augmented=True)
+    ds.transform = scribble
+    ds[0]
+    assert cached.memory.get((False, files[len(cached.samples("val"))]))[0].any()  # the kept image is intact
+
+    small = MemoryCache(budget_bytes=3 * 32 * 32 * 4)  # three 32 x 32 float32 images
+    ds = module(tiny_dataset).dataset("train", augmented=True)
+    ds.memory = small
+    for i in range(len(ds)):
+        ds[i]
+    assert len(small) == 3 and small.used_bytes <= small.budget_bytes
+    with pytest.raises(ValueError, match="memory_cache_mb must be an int >= 0"):
+        module(tiny_dataset, memory_cache_mb=-1)
+
+
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [

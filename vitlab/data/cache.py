@@ -65,3 +65,39 @@ class ArrayCache:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+class MemoryCache:
+    """Items kept in this process's memory up to a byte budget (then nothing more is added; no eviction).
+
+    Loaders draw indices in a new random order every epoch, so an evicting cache (LRU) would hit no more
+    often than one that keeps the first items it saw; this one costs nothing once full. Each loader worker
+    process holds its own cache (at most ``budget_bytes`` each).
+
+    Args:
+        budget_bytes: Most bytes of arrays / tensors kept (0 keeps nothing).
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"memory cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._items: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key):
+        """The item stored under ``key``, or None."""
+        return self._items.get(key)
+
+    def put(self, key, item, nbytes: int) -> None:
+        """Keep ``item`` (``nbytes`` large) when it fits in what is left of the budget."""
+        if key not in self._items and self.used_bytes + nbytes <= self.budget_bytes:
+            self._items[key] = item
+            self.used_bytes += nbytes
+
+    def __getstate__(self) -> dict:
+        """A copy sent to a spawned worker starts empty (its items would be pickled through a pipe)."""
+        return {"budget_bytes": self.budget_bytes, "used_bytes": 0, "_items": {}}

@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from vitlab.data.cache import ArrayCache, cache_root
+from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.io import ImageReader, ReadOptions
@@ -57,6 +57,10 @@ class MedicalDataModule(pl.LightningDataModule):
         mean: Normalize mean per channel; None -> ImageNet (averaged for one channel).
         std: Normalize std per channel; None -> ImageNet.
         cache: Keep decoded arrays on disk so epochs >= 2 skip decoding.
+        memory_cache_mb: Keep decoded images (before augmentation; with their masks for detection and
+            segmentation) and finished validation / test tensors in memory, up to this many MiB per process
+            (each loader worker holds its own; nothing is added once full); 0: off. The quickstart's embedded
+            dataset takes 9 MiB; a 512 x 512 CT slice for a 224 input 0.25 MiB (kept at 256 x 256).
         cache_dir: Folder of that cache; None -> ``$VITLAB_CACHE/arrays`` or ``~/.cache/vitlab/arrays``.
         embedded_kwargs: Options of the embedded dataset when ``root`` is None (:class:`EmbeddedOptions` or a
             dict of its fields; typed, so ``--data.embedded_kwargs.patients 24`` reaches it as an int).
@@ -85,6 +89,7 @@ class MedicalDataModule(pl.LightningDataModule):
         std: list[float] | None = None,
         cache: bool = False,
         cache_dir: str | None = None,
+        memory_cache_mb: int = 512,
         embedded_kwargs: EmbeddedOptions | None = None,
         classes: list[str] | None = None,
     ) -> None:
@@ -95,6 +100,9 @@ class MedicalDataModule(pl.LightningDataModule):
         _check_positive(image_size=image_size, batch_size=batch_size)
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if isinstance(memory_cache_mb, bool) or not isinstance(memory_cache_mb, int) or memory_cache_mb < 0:
+            raise ValueError(f"memory_cache_mb must be an int >= 0 (MiB per process; 0 = off), got {memory_cache_mb!r}")
+        self.memory = MemoryCache(memory_cache_mb * 2**20) if memory_cache_mb else None
         if on_bad_file not in ("skip", "error"):
             raise ValueError(f"on_bad_file must be 'skip' or 'error', got {on_bad_file!r}")
         if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
@@ -210,6 +218,7 @@ class MedicalDataModule(pl.LightningDataModule):
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
+            memory=self.memory, deterministic=not augmented,
         )  # fmt: skip
 
     @property

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vitlab.data.cache import ArrayCache
+from vitlab.data.cache import ArrayCache, MemoryCache
 from vitlab.data.io import ImageReader, ImageReadError, ReadOptions
 from vitlab.data.layouts import Sample, SkippedFileWarning
 
@@ -49,6 +49,10 @@ class MedicalImageDataset(Dataset):
             area resize); the transform's own resize then finishes. None disables it.
         reader: A reader whose header memory is already filled (see ``ImageReader.inspect``);
             None -> a new one with ``read_options``.
+        memory: Keep items in memory (within its budget): the decoded, channel-converted and prescaled
+            image before an augmenting ``transform``, the final tensor when ``deterministic``.
+        deterministic: ``transform`` gives the same output for the same input (resize + normalise: the
+            validation, test and probe pipelines), so whole items can be kept.
     """
 
     def __init__(
@@ -63,6 +67,8 @@ class MedicalImageDataset(Dataset):
         cache: ArrayCache | None = None,
         reader: ImageReader | None = None,
         prescale_to: int | None = None,
+        memory: MemoryCache | None = None,
+        deterministic: bool = False,
     ) -> None:
         if read_options is not None and read_options.frames == "all":
             raise ValueError("frames='all' gives a volume per file; a 2-D dataset needs 'middle' or a frame index")
@@ -79,6 +85,8 @@ class MedicalImageDataset(Dataset):
         self.cache = cache
         self.bad_paths: set[str] = set()  # files that failed to decode in this process
         self.prescale_to = prescale_to
+        self.memory = memory
+        self.deterministic = deterministic
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -105,14 +113,26 @@ class MedicalImageDataset(Dataset):
         raise RuntimeError(f"none of the {len(self)} images could be read (see the warnings above)")
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image, used = self._first_readable(index)
-        image = to_channels(image, self.in_chans)  # (H, W, C)
-        if self.prescale_to:
-            image = integer_downscale(image, self.prescale_to)
+        key = (self.deterministic, str(self.samples[index].path))  # (one cache may serve several splits)
+        kept = self.memory.get(key) if self.memory is not None else None
+        if kept is not None and self.deterministic:
+            tensor, label = kept
+            return tensor.clone(), label  # (the caller may change it in place)
+        if kept is not None:
+            image, used = kept[0].copy(), kept[1]  # (a transform may change its input in place)
+        else:
+            image, used = self._first_readable(index)
+            image = to_channels(image, self.in_chans)  # (H, W, C)
+            if self.prescale_to:
+                image = integer_downscale(image, self.prescale_to)
+            if self.memory is not None and not self.deterministic:
+                self.memory.put(key, (image.copy(), used), image.nbytes)
         out = self.transform(image=image)["image"]  # (S, S, C) normalised
         if out.ndim == 2:
             out = out[:, :, None]
         tensor = torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32))  # (C, S, S)
+        if self.memory is not None and self.deterministic:
+            self.memory.put(key, (tensor.clone(), self.labels[used]), tensor.numel() * tensor.element_size())
         return tensor, self.labels[used]
 
 

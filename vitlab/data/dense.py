@@ -219,8 +219,20 @@ class DenseDataset(MedicalImageDataset):
                     warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=2)
         raise RuntimeError(f"none of the {len(self)} image/mask pairs could be read (see the warnings above)")
 
+    def _kept_pair(self, index: int) -> tuple[np.ndarray, np.ndarray | None, tuple[np.ndarray, list[int]] | None]:
+        """:meth:`_first_pair` through the memory cache (decoded pairs; copies: a transform may change them)."""
+        if self.memory is None:
+            return self._first_pair(index)
+        key = ("pair", str(self.samples[index].path))
+        kept = self.memory.get(key)
+        if kept is None:
+            kept = self._first_pair(index)
+            self.memory.put(key, kept, kept[0].nbytes + (0 if kept[1] is None else kept[1].nbytes))
+        image, mask, user = kept
+        return image.copy(), None if mask is None else mask.copy(), user
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        image, mask, user = self._first_pair(index)
+        image, mask, user = self._kept_pair(index)
         image = to_channels(image, self.in_chans)  # (H, W, C)
         boxes, user_labels = user if user is not None else (None, [])
         if self.prescale_to:

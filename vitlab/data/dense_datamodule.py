@@ -53,6 +53,7 @@ class DenseDataModule(MedicalDataModule):
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
+            memory=self.memory,
         )  # fmt: skip
 
     @property
