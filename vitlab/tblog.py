@@ -226,6 +226,7 @@ def heatmap_figure(
     colormap = matplotlib.colormaps[cmap].with_extremes(bad=nan_color)
     im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
     cbar = fig.colorbar(im, ax=ax)
+    cbar.formatter = _colorbar_formatter()
     if colorbar_label:
         cbar.set_label(colorbar_label)
     if xticklabels is not None:
@@ -240,8 +241,30 @@ def heatmap_figure(
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    fig.tight_layout()
+    _layout_for_any_values(fig, cbar)
+    redrawn(fig, im, *ax.spines.values(), *ax.texts, ax.title, cbar.ax)  # the rest stays: see FigureCache
     return fig
+
+
+WIDEST_TICK = "-0.000888"  # the widest colour-bar tick label "{:.3g}" writes (DejaVu Sans: all digits equally wide)
+
+
+def _colorbar_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, pos: f"{value:.3g}")
+
+
+def _layout_for_any_values(fig, cbar) -> None:
+    """``tight_layout`` with room for the widest tick label the colour bar can show, so that the layout does
+    not depend on the values: an updated figure keeps it (no new layout: 8 ms) and its axes stay where
+    they were (its static parts need no redrawing). Titles do not count (their width is ignored by it)."""
+    from matplotlib.ticker import FuncFormatter
+
+    formatter = cbar.formatter
+    cbar.formatter = FuncFormatter(lambda value, pos: WIDEST_TICK)
+    fig.tight_layout()
+    cbar.formatter = formatter
 
 
 def update_heatmap(fig, matrix: torch.Tensor | np.ndarray, *, title: str = "", vmin: float | None = None, vmax: float | None = None) -> None:
@@ -255,10 +278,7 @@ def update_heatmap(fig, matrix: torch.Tensor | np.ndarray, *, title: str = "", v
     im.set_clim(masked.min() if vmin is None else vmin, masked.max() if vmax is None else vmax)
     for text, value in zip(ax.texts, data.ravel()):  # annotate=True: one text per cell, row by row
         text.set_text(f"{value:.3g}")
-    ax.set_title(title, fontsize=9)
-    # colour-bar labels may change width: lay out again from where a new figure starts (tight_layout is no fixed point)
-    fig.subplots_adjust(**{k: matplotlib.rcParams[f"figure.subplot.{k}"] for k in ("left", "right", "bottom", "top", "wspace", "hspace")})
-    fig.tight_layout()
+    ax.set_title(title, fontsize=9)  # (the layout holds for any values: see _layout_for_any_values)
 
 
 GIL_SWITCH_S = 0.0005  # GIL switch interval while figures are drawn beside training (CPython's default: 0.005)
@@ -407,12 +427,21 @@ def _draw(kept: _Kept) -> None:
         canvas.draw()  # what add_figure does, on a new canvas each time
         return
     if kept.background is None:
-        visible = [a.get_visible() for a in kept.animated]
-        for artist in kept.animated:
+        from matplotlib.text import Text
+
+        # left out of the background: texts drawn transparent (a hidden axes title has no extent, and the
+        # title placement would move it), the rest hidden
+        texts = [(a, a.get_alpha()) for a in kept.animated if isinstance(a, Text)]
+        others = [(a, a.get_visible()) for a in kept.animated if not isinstance(a, Text)]
+        for artist, _ in texts:
+            artist.set_alpha(0.0)
+        for artist, _ in others:
             artist.set_visible(False)
         canvas.draw()
         kept.background = canvas.copy_from_bbox(fig.bbox)
-        for artist, shown in zip(kept.animated, visible):
+        for artist, alpha in texts:
+            artist.set_alpha(alpha)
+        for artist, shown in others:
             artist.set_visible(shown)
     else:
         canvas.restore_region(kept.background)

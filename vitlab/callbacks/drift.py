@@ -113,7 +113,7 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True,
     blocks = list(heads)
     for name in DRIFT_METRICS + ("rel_frobenius",):
         grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
-        title = f"{name} vs reference (mean over rows), step {step}"
+        title = f"{name} vs reference\n(mean over rows), step {step}"
         log_figure(  # (partial: the figure may be drawn later, on the figure thread, with this loop's values)
             writer, f"drift_map/{name}", step,
             partial(heatmap_figure, grid, title=title, xticklabels=blocks, yticklabels=[m.upper() for m in MATRICES], xlabel="block",
