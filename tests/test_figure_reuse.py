@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+from functools import partial
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -12,6 +15,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from vitlab.callbacks.drift import report_drift
 from vitlab.callbacks.spectra import block_spectra, report_spectra
+import vitlab.tblog as tblog
+from vitlab.figures import new_figure
 from vitlab.tblog import CONFUSION_TITLE, FigureCache, confusion_matrix_figure, heatmap_figure, log_figure, update_heatmap
 
 HEADS = {"stage0.block0": 2, "stage1.block0": 4}
@@ -47,7 +52,8 @@ def test_cached_figures_write_the_same_images_as_new_ones(tmp_path):
     cache = FigureCache()
     fresh = _report(tmp_path / "fresh", None)
     reused = _report(tmp_path / "reused", cache)
-    assert len(cache._figures) == 5 + len(HEADS) + 2 + 1  # drift maps, local maps, 2 stages, heads map
+    assert len(cache._store.figures) == 5 + len(HEADS) + 2 + 1  # drift maps, local maps, 2 stages, heads map
+    assert set(cache.builds.values()) == {1}  # each built once, updated twice
     tags = {tag for tag, _ in fresh}
     assert {"drift_map/cosine_distance", "drift_local/stage1.block0", "spectra_figure/stage0", "spectra_heads/positive_mass"} <= tags
     assert set(reused) == set(fresh) and len(fresh) == 3 * len(tags)
@@ -57,94 +63,73 @@ def test_cached_figures_write_the_same_images_as_new_ones(tmp_path):
     assert not plt.get_fignums()  # cached figures are not left among pyplot's open figures
 
 
-def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(tmp_path):
-    """``FigureCache(background=True)`` (the callbacks' caches): same PNGs as new figures, every image of a tag in
-    step order, all caches on one figure thread, and a drawing's error raised by flush()."""
-    import threading
+def _pid_figure(path: str):
+    """A figure whose builder records the process that built it (a module function: picklable)."""
+    Path(path).write_text(str(os.getpid()))
+    return new_figure((2, 2))
 
+
+def _mathtext_error_figure():
+    fig = new_figure((2, 2))
+    fig.add_subplot().set_title("$\\badcommand$")  # a mathtext error, raised only when drawn
+    return fig
+
+
+def _slow_figure(seconds: float):
+    time.sleep(seconds)
+    return new_figure((2, 2))
+
+
+def _no_update(fig) -> None:
+    pass
+
+
+def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(tmp_path):
+    """``FigureCache(background=True)`` (the callbacks' caches): the same PNGs as new figures, every image of a tag
+    in step order, all caches drawn in one other process, a figure's error raised by flush(), and images finished
+    after their writer closed dropped."""
     fresh = _report(tmp_path / "fresh", None)
     cache = FigureCache(background=True)
-    main = threading.get_ident()
-    drawn_on: set[int] = set()
-    import vitlab.tblog as tblog
-
-    original = tblog._draw
-
-    def recording(kept):
-        drawn_on.add(threading.get_ident())
-        original(kept)
-
-    tblog._draw = recording
-    from vitlab.callbacks import drift
-
-    built_on: set[int] = set()
-    build_local = drift.local_drift_figure
-
-    def recording_build(*args):
-        built_on.add(threading.get_ident())
-        return build_local(*args)
-
-    drift.local_drift_figure = recording_build
-    import sys
-
-    switch = sys.getswitchinterval()
-    try:
-        ref, writer = _state(0), SummaryWriter(str(tmp_path / "background"))
-        prev = ref
-        for step in (1, 2, 3):
-            cur = {k: v + torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) * 0.3 * step for k, v in ref.items()}
-            report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
-            report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
-            prev = cur
-            # the training thread gets the GIL back quickly while a figure is drawn beside it
-            assert sys.getswitchinterval() == pytest.approx(min(switch, tblog.GIL_SWITCH_S))
-        other = FigureCache(background=True)  # another callback's cache, cleared after this one
-        other_writer = SummaryWriter(str(tmp_path / "other"))
-        other.add(other_writer, "other", 1, plt.figure, lambda fig: None)
-        cache.clear()  # waits for the last drawings (what the callbacks' teardown does)
-        assert sys.getswitchinterval() == pytest.approx(min(switch, tblog.GIL_SWITCH_S))  # other thread still drawing
-        other.clear()
-        other_writer.close()
-        assert sys.getswitchinterval() == switch  # restored once the last figure thread is gone
-        writer.close()
-    finally:
-        tblog._draw = original
-        drift.local_drift_figure = build_local
-        sys.setswitchinterval(switch)
-    assert len(drawn_on) == 1 and main not in drawn_on  # every cache draws on the one figure thread, not the training one
-    assert built_on == drawn_on  # built there too
+    ref, writer = _state(0), SummaryWriter(str(tmp_path / "background"))
+    prev = ref
+    for step in (1, 2, 3):
+        cur = {k: v + torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) * 0.3 * step for k, v in ref.items()}
+        report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
+        report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
+        prev = cur
+    other = FigureCache(background=True)  # another callback's cache, cleared after this one
+    other_writer = SummaryWriter(str(tmp_path / "other"))
+    other.add(other_writer, "other", 1, partial(_pid_figure, str(tmp_path / "pid")), _no_update)
+    cache.clear()  # waits for the last drawings (what the callbacks' teardown does)
+    assert tblog._FIGURE_PROCESS["pool"] is not None  # the other cache still uses the process
+    other.clear()
+    assert tblog._FIGURE_PROCESS["pool"] is None  # stopped with its last user
+    other_writer.close()
+    writer.close()
+    assert cache.drawn_by == other.drawn_by == {int((tmp_path / "pid").read_text())} != {os.getpid()}  # one other process
+    assert set(cache.builds.values()) == {1}
     background = _images(tmp_path / "background")
     assert background == fresh
     acc = EventAccumulator(str(tmp_path / "background"), size_guidance={"images": 0})
     acc.Reload()
     assert all([e.step for e in acc.Images(tag)] == [1, 2, 3] for tag in acc.Tags()["images"])
 
-    def broken():
-        fig = plt.figure()
-        fig.add_subplot().set_title("$\\badcommand$")  # a mathtext error, raised only when drawn
-        return fig
-
     failing = FigureCache(background=True)
     writer = SummaryWriter(str(tmp_path / "broken"))
-    failing.add(writer, "broken", 1, broken, lambda fig: None)  # returns at once: the error comes with flush()
+    failing.add(writer, "broken", 1, _mathtext_error_figure, _no_update)  # returns at once: the error comes with flush()
+    failing.add(writer, "fine", 1, partial(new_figure, (2, 2)), _no_update)
     with pytest.raises(ValueError):
         failing.clear()
     writer.close()
+    assert list(_images(tmp_path / "broken")) == [("fine", 1)]  # the others are still written
 
-    # a run that stopped on an error closes its writer with images still pending: they are dropped, not written to
-    # a new event file that the closed writer would open
+    # a run that stopped on an error closes its writer with images still being drawn: they are dropped, not
+    # written to a new event file that the closed writer would open
     late = FigureCache(background=True)
     writer = SummaryWriter(str(tmp_path / "late"))
-    gate = threading.Event()
-
-    def slow():
-        gate.wait(10)
-        return plt.figure()
-
-    late.add(writer, "late", 1, slow, lambda fig: None)
+    late.add(writer, "late", 1, partial(_slow_figure, 1.0), _no_update)
     writer.close()
     files = sorted(p.name for p in (tmp_path / "late").iterdir())
-    gate.set()
     late.clear()
     assert sorted(p.name for p in (tmp_path / "late").iterdir()) == files and "late" not in _images(tmp_path / "late")
 
@@ -197,39 +182,32 @@ def test_confusion_matrix_update_rewrites_the_counts(tmp_path):
     for writer in writers.values():
         writer.close()
     assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
-    fig = cache._figures["val/confusion_matrix"].canvas.figure
+    fig = cache._store.figures["val/confusion_matrix"].canvas.figure
     assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "1.23e+03"]
 
 
 @pytest.mark.slow
-def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp_path, monkeypatch):
-    """The callbacks of a real fit build every figure once and update it in the later epochs."""
+def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp_path):
+    """The callbacks of a real fit build every figure once (in the figure process) and update it later."""
     from tests.test_train_e2e import events, tiny_args
-    from vitlab.callbacks import drift, spectra
+    from vitlab.callbacks import QKSpectra, QKVDrift
     from vitlab.cli import fit
-    from vitlab.training import module
 
-    built: dict[str, int] = {}
-
-    def counting(name, make):
-        def wrapper(*args, **kwargs):
-            built[name] = built.get(name, 0) + 1
-            return make(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(drift, "local_drift_figure", counting("local", drift.local_drift_figure))
-    monkeypatch.setattr(drift, "heatmap_figure", counting("drift_map", drift.heatmap_figure))
-    monkeypatch.setattr(spectra, "stage_figure", counting("stage", spectra.stage_figure))
-    monkeypatch.setattr(module, "confusion_matrix_figure", counting("confusion", module.confusion_matrix_figure))
     cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=3))
     acc = events(Path(cli.trainer.log_dir))
     images = acc.Tags()["images"]
     local_tags = [t for t in images if t.startswith("drift_local/")]
     stage_tags = [t for t in images if t.startswith("spectra_figure/")]
-    assert len(local_tags) == 4 and built["local"] == 4  # 4 blocks, one figure each
-    assert built["drift_map"] == 5 and len(stage_tags) == built["stage"] == 2  # 5 metrics, 2 stages
+    drift_cb = next(cb for cb in cli.trainer.callbacks if isinstance(cb, QKVDrift))
+    spectra_cb = next(cb for cb in cli.trainer.callbacks if isinstance(cb, QKSpectra))
+    built = drift_cb._figures.builds + spectra_cb._figures.builds + cli.trainer.logger.experiment._vitlab_figures.builds
+    assert len(local_tags) == 4 and all(built[t] == 1 for t in local_tags)  # 4 blocks, one figure each
+    assert len(stage_tags) == 2 and all(built[t] == 1 for t in stage_tags)  # 2 stages
+    assert sorted(t for t in built if t.startswith("drift_map/")) == sorted(t for t in images if t.startswith("drift_map/"))
+    assert set(built.values()) == {1} and len(built) == 4 + 5 + 2 + 1 + 1  # local, drift maps, stages, positive mass, confusion
+    assert os.getpid() not in drift_cb._figures.drawn_by
     for tag in local_tags + [t for t in images if t.startswith("drift_map/")]:
         assert len(acc.Images(tag)) == 3, tag  # drawn after each of the 3 epochs
     for tag in stage_tags:
         assert len(acc.Images(tag)) == 4, tag  # and the spectra at fit start too
-    assert built["confusion"] == 1 and len(acc.Images("val/confusion_matrix")) == 3
+    assert len(acc.Images("val/confusion_matrix")) == 3

@@ -6,15 +6,18 @@ and write through these helpers, so every output is written the same (atomic, ra
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import io
+import itertools
 import json
 import math
 import os
-import sys
 import tempfile
 import threading
+import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+
+from vitlab.figures import (  # noqa: E402,F401  (re-exported: the figures live in the torch-free module)
+    CONFUSION_TITLE,
+    WIDEST_TICK,
+    confusion_matrix_figure,
+    heatmap_figure,
+    heatmap_update,
+    new_figure,
+    redrawn,
+    update_heatmap,
+)
 
 
 def tensorboard_writer(trainer: Any):
@@ -179,281 +194,136 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def new_figure(figsize: tuple[float, float], dpi: int = 90):
-    """A matplotlib ``Figure`` on its own Agg canvas, outside pyplot's figure list.
-
-    Not through pyplot: vitlab's figures are built and drawn on a worker thread beside training, and pyplot's
-    global figure registry is not thread-safe (nor needed to render to an image).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def redrawn(fig, *artists):
-    """Mark artists of ``fig`` that change between a cached figure's images (see :class:`FigureCache`), in the
-    order they are drawn; returns the first. Only the cache reads the mark: the figure draws as any other."""
-    fig.__dict__.setdefault("_vitlab_redrawn", []).extend(artists)
-    return artists[0] if artists else None
-
-
-def heatmap_figure(
-    matrix: torch.Tensor | np.ndarray,
-    *,
-    title: str = "",
-    xlabel: str = "",
-    ylabel: str = "",
-    xticklabels: Sequence[str] | None = None,
-    yticklabels: Sequence[str] | None = None,
-    cmap: str = "viridis",
-    annotate: bool = False,
-    colorbar_label: str = "",
-    figsize: tuple[float, float] | None = None,
-    vmin: float | None = None,
-    vmax: float | None = None,
-    nan_color: str = "0.75",
-):
-    """A matplotlib heatmap of a 2-D array (rows top to bottom; NaN cells in ``nan_color``), for ``add_figure``."""
-    data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
-    rows, cols = data.shape
-    if figsize is None:
-        figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
-    fig = new_figure(figsize)
-    ax = fig.subplots()
-    colormap = matplotlib.colormaps[cmap].with_extremes(bad=nan_color)
-    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
-    cbar = fig.colorbar(im, ax=ax)
-    cbar.formatter = _colorbar_formatter()
-    if colorbar_label:
-        cbar.set_label(colorbar_label)
-    if xticklabels is not None:
-        long_labels = cols > 6 or max((len(str(t)) for t in xticklabels), default=0) > 6
-        ax.set_xticks(range(cols), labels=list(xticklabels), rotation=90 if long_labels else 0, fontsize=7)
-    if yticklabels is not None:
-        ax.set_yticks(range(rows), labels=list(yticklabels), fontsize=7)
-    if annotate:
-        for r in range(rows):
-            for c in range(cols):
-                ax.text(c, r, f"{data[r, c]:.3g}", ha="center", va="center", fontsize=7, color="w")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    _layout_for_any_values(fig, cbar)
-    redrawn(fig, im, *ax.spines.values(), *ax.texts, ax.title, cbar.ax)  # the rest stays: see FigureCache
-    return fig
-
-
-WIDEST_TICK = "-0.000888"  # the widest colour-bar tick label "{:.3g}" writes (DejaVu Sans: all digits equally wide)
-
-
-def _colorbar_formatter():
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda value, pos: f"{value:.3g}")
-
-
-def _layout_for_any_values(fig, cbar) -> None:
-    """``tight_layout`` with room for the widest tick label the colour bar can show, so that the layout does
-    not depend on the values: an updated figure keeps it (no new layout: 8 ms) and its axes stay where
-    they were (its static parts need no redrawing). Titles do not count (their width is ignored by it)."""
-    from matplotlib.ticker import FuncFormatter
-
-    formatter = cbar.formatter
-    cbar.formatter = FuncFormatter(lambda value, pos: WIDEST_TICK)
-    fig.tight_layout()
-    cbar.formatter = formatter
-
-
-def update_heatmap(fig, matrix: torch.Tensor | np.ndarray, *, title: str = "", vmin: float | None = None, vmax: float | None = None) -> None:
-    """Show new values (same shape) in a :func:`heatmap_figure`: the pixels a new one would have (tested)."""
-    data = matrix.detach().cpu().double().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, dtype=float)
-    ax = fig.axes[0]
-    im = ax.get_images()[0]
-    masked = np.ma.masked_invalid(data)
-    im.set_data(masked)
-    # None: from the data, as imshow does (one set_clim: a colour bar resets a half-unset norm to [0, 1])
-    im.set_clim(masked.min() if vmin is None else vmin, masked.max() if vmax is None else vmax)
-    for text, value in zip(ax.texts, data.ravel()):  # annotate=True: one text per cell, row by row
-        text.set_text(f"{value:.3g}")
-    ax.set_title(title, fontsize=9)  # (the layout holds for any values: see _layout_for_any_values)
-
-
-GIL_SWITCH_S = 0.0005  # GIL switch interval while figures are drawn beside training (CPython's default: 0.005)
 _FIGURE_LOCK = threading.Lock()
-_FIGURE_THREAD: dict[str, Any] = {"pool": None, "users": 0, "saved": 0.005}  # the shared thread, its caches, the interval
+_FIGURE_PROCESS: dict[str, Any] = {"pool": None, "users": 0}  # the shared figure process and its caches in use
+_ACTIVE_CACHES: "weakref.WeakSet[FigureCache]" = weakref.WeakSet()
+_CACHE_IDS = itertools.count()
 
 
-def _figure_thread_started():
-    """The one figure thread of the process (started for its first user), with a lowered GIL switch interval."""
+def _figure_process_started():
+    """The one figure process of this process (started for its first user): see :mod:`vitlab.figures`."""
     with _FIGURE_LOCK:
-        if _FIGURE_THREAD["users"] == 0:
-            from concurrent.futures import ThreadPoolExecutor
+        if _FIGURE_PROCESS["users"] == 0:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-            _FIGURE_THREAD["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_FIGURE_THREAD["saved"], GIL_SWITCH_S))
-            _FIGURE_THREAD["pool"] = ThreadPoolExecutor(1, thread_name_prefix="vitlab-figures", initializer=_background_priority)
-        _FIGURE_THREAD["users"] += 1
-        return _FIGURE_THREAD["pool"]
+            from vitlab import figures
 
-
-def _background_priority() -> None:
-    """Lowest CPU priority for the calling thread (Linux: a thread id is a ``PRIO_PROCESS`` target)."""
-    import os
-
-    if os.environ.get("VITLAB_FIGURE_NICE", "1") == "0":
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
-        pass
+            # spawn: a fresh interpreter that imports numpy and matplotlib only (a fork of a training process would
+            # copy its threads' locks, and GNU OpenMP is not fork-safe)
+            _FIGURE_PROCESS["pool"] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=figures._process_init)
+        _FIGURE_PROCESS["users"] += 1
+        return _FIGURE_PROCESS["pool"]
 
 
-def _figure_thread_stopped() -> None:
-    """One user less; the last one stops the thread and restores the interval the process had."""
+def _figure_process_stopped() -> None:
+    """One user less; the last one stops the process."""
     with _FIGURE_LOCK:
-        _FIGURE_THREAD["users"] -= 1
-        if _FIGURE_THREAD["users"] == 0:
-            _FIGURE_THREAD["pool"].shutdown(wait=True)
-            _FIGURE_THREAD["pool"] = None
-            sys.setswitchinterval(_FIGURE_THREAD["saved"])
+        _FIGURE_PROCESS["users"] -= 1
+        if _FIGURE_PROCESS["users"] == 0:
+            _FIGURE_PROCESS["pool"].shutdown(wait=True)
+            _FIGURE_PROCESS["pool"] = None
 
 
 def flush_figures() -> None:
-    """Wait for every figure queued on the figure thread so far, of every cache (as ``writer.flush()`` waits for
-    the events queued so far). Images still queued when a process is killed are lost, like unflushed events."""
-    with _FIGURE_LOCK:
-        pool = _FIGURE_THREAD["pool"]
-    if pool is not None:
-        pool.submit(int).result()  # the thread runs its queue in order
-
-
-class _Kept:
-    """A cached figure: its canvas, the layout it was built for, and its static background once blitted."""
-
-    __slots__ = ("canvas", "layout", "animated", "background")
-
-    def __init__(self, canvas, layout: Any) -> None:
-        self.canvas, self.layout = canvas, layout
-        self.animated = list(canvas.figure.__dict__.get("_vitlab_redrawn", ()))  # see redrawn()
-        self.background = None
+    """Write every image of every cache that was handed to the figure process so far (as ``writer.flush()``
+    waits for the events queued so far). Images still being drawn when a process is killed are lost, like
+    unflushed events."""
+    for cache in list(_ACTIVE_CACHES):
+        cache.flush()
 
 
 class FigureCache:
     """Figures kept between the epochs that draw them, one per TensorBoard tag, updated instead of rebuilt.
 
     Building a matplotlib figure (axes, ticks, colour bars, layout) costs about as much as drawing it; a callback
-    that logs the same figure every few epochs keeps it here and only changes its data, titles and colour scales.
-    ``layout`` describes what fixes the figure's structure (blocks, heads, shapes): a different one builds a new
-    figure. The image written is the one a new figure would give (tests compare the pixels).
+    that logs the same figure every few epochs keeps it and only changes its data, titles and colour scales, and
+    only the artists that change are drawn again (see :class:`vitlab.figures.FigureStore`). ``layout`` describes
+    what fixes the figure's structure (blocks, heads, shapes): a different one builds a new figure. The image
+    written is the one a new figure would give (tests compare the pixels). ``builds`` counts builds per tag.
 
-    Blitting (matplotlib's ``copy_from_bbox`` / ``restore_region``): when a figure marks the artists that change
-    with :func:`redrawn` (its images, colour-bar axes, titles), everything else is rasterised once, and each
-    image restores that background and draws only the marked artists, in the order marked. Such a figure must
-    keep everything else unchanged in ``update`` (fixed layout, fixed ticks).
-
-    ``background=True`` (the callbacks' caches) builds, updates, draws and writes each figure on the process's one
-    figure thread while training goes on: ``build`` and ``update`` must carry their data (no late-bound loop
-    variables), and run on that thread. Images of a cache are written in the order they were added; :meth:`flush`
-    (called by :meth:`clear`) waits for them and raises the first error a figure met. While any such cache is in
-    use the interpreter's GIL switch interval is at most :data:`GIL_SWITCH_S` (restored when the last is cleared):
-    the training thread takes the GIL back after each of a step's thousands of torch operations, and with
-    CPython's default of 5 ms a drawing thread in matplotlib's Python code held it long enough to stall them
-    (quickstart fit 35.7-41.8 s against 33.7-34.4 s). An image finished after its writer was closed (a run that
-    stopped on an error) is dropped, not written to a reopened event file.
+    ``background=True`` (the callbacks' caches) hands ``build`` / ``update`` to the figure process (a separate,
+    lowest-priority process, shared by all caches) and returns at once; ``build`` and ``update`` must then be
+    picklable and light: ``functools.partial`` of :mod:`vitlab.figures` functions with numpy arrays. The images
+    are written in order, each with the wall time of its ``add``, by the next ``add`` after they are drawn and
+    by :meth:`flush` (called by :meth:`clear`), which waits for all of them and raises the first error a figure
+    met. An image finished after its writer was closed (a run that stopped on an error) is dropped, not written
+    to a reopened event file.
     """
 
     def __init__(self, background: bool = False) -> None:
-        self._figures: dict[str, _Kept] = {}
+        from vitlab.figures import FigureStore
+
+        self._store = FigureStore()  # in this process (background=False)
         self._background = background
-        self._pool = None  # the shared figure thread while this cache uses it
-        self._pending: list[Any] = []  # Futures of the images added and not yet known to be written
+        self._pool = None  # the figure process while this cache uses it
+        self._key: Any = None
+        self._pending: collections.deque = collections.deque()  # (future, writer, tag, step, walltime), in order
+        self.builds: collections.Counter = collections.Counter()
+        self.drawn_by: set[int] = set()  # process ids that drew this cache's figures
 
     def add(self, writer, tag: str, step: int, build, update, layout: Any = None) -> None:
         """Write what ``writer.add_figure(tag, fig, step)`` writes, ``fig = build()`` the first time, then ``update(fig)``."""
         if not self._background:
-            self._add_now(writer, tag, step, build, update, layout)
+            png, built = self._store.render(tag, build, update, layout)
+            self._wrote(writer, tag, step, png, built, os.getpid(), None)
             return
         if self._pool is None:
-            self._pool = _figure_thread_started()
-        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-        self._pending.append(self._pool.submit(self._add_now, writer, tag, step, build, update, layout))
+            self._pool = _figure_process_started()
+            self._key = (os.getpid(), next(_CACHE_IDS))
+            _ACTIVE_CACHES.add(self)
+        from vitlab import figures
 
-    def _add_now(self, writer, tag: str, step: int, build, update, layout: Any) -> None:
-        kept = self._figures.get(tag)
-        if kept is None or kept.layout != layout:
-            fig = build()
-            if fig.canvas.manager is not None:  # a pyplot figure: kept here, not among pyplot's open figures
-                plt.close(fig)
-            canvas = fig.canvas if isinstance(fig.canvas, _agg_canvas()) else _agg_canvas()(fig)  # its renderer keeps text metrics
-            self._figures[tag] = kept = _Kept(canvas, layout)
-        else:
-            update(kept.canvas.figure)
-        if self._background and getattr(writer, "all_writers", True) is None:
+        future = self._pool.submit(figures._process_render, self._key, tag, build, update, layout)
+        self._pending.append((future, writer, tag, step, time.time()))
+        self._write_done(wait=False)
+
+    def _write_done(self, wait: bool) -> None:
+        """Write the drawn images at the head of the queue (all of them, waiting, when ``wait``)."""
+        error = None
+        while self._pending and (wait or self._pending[0][0].done()):
+            future, writer, tag, step, walltime = self._pending.popleft()
+            try:
+                png, built, pid = future.result()
+            except Exception as exc:  # noqa: BLE001  (raised by flush, after the other images are written)
+                error = error or exc
+                continue
+            self._wrote(writer, tag, step, png, built, pid, walltime)
+        if error is not None:
+            raise error
+
+    def _wrote(self, writer, tag: str, step: int, png: bytes, built: bool, pid: int, walltime: float | None) -> None:
+        self.builds[tag] += built
+        self.drawn_by.add(pid)
+        if getattr(writer, "all_writers", True) is None:
             return  # the writer was closed (the run stopped): nothing is written after it
-        _draw(kept)
-        _write(kept.canvas, writer, tag, step)
+        write_png(writer, tag, png, step, walltime)
 
     def flush(self) -> None:
-        """Wait until every image added is written; raise the first error a background figure met."""
-        pending, self._pending = self._pending, []
-        errors = [f.exception() for f in pending]
-        for error in errors:
-            if error is not None:
-                raise error
+        """Wait until every image added is written; raise the first error a figure met."""
+        self._write_done(wait=True)
 
     def clear(self) -> None:
         try:
             self.flush()
         finally:
-            self._figures.clear()
+            self._store = type(self._store)()
             if self._pool is not None:
+                from vitlab import figures
+
+                self._pool.submit(figures._process_forget, self._key)
                 self._pool = None
-                _figure_thread_stopped()
+                _ACTIVE_CACHES.discard(self)
+                _figure_process_stopped()
 
 
-def _agg_canvas():
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+def write_png(writer, tag: str, png: bytes, step: int, walltime: float | None = None) -> None:
+    """An encoded RGB PNG as the image event ``writer.add_image`` would write for it."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
-    return FigureCanvasAgg
-
-
-def _draw(kept: _Kept) -> None:
-    """Rasterise a cached figure: whole, or its animated artists over the kept static background."""
-    canvas, fig = kept.canvas, kept.canvas.figure
-    if not kept.animated:
-        canvas.draw()  # what add_figure does, on a new canvas each time
-        return
-    if kept.background is None:
-        from matplotlib.text import Text
-
-        # left out of the background: texts drawn transparent (a hidden axes title has no extent, and the
-        # title placement would move it), the rest hidden
-        texts = [(a, a.get_alpha()) for a in kept.animated if isinstance(a, Text)]
-        others = [(a, a.get_visible()) for a in kept.animated if not isinstance(a, Text)]
-        for artist, _ in texts:
-            artist.set_alpha(0.0)
-        for artist, _ in others:
-            artist.set_visible(False)
-        canvas.draw()
-        kept.background = canvas.copy_from_bbox(fig.bbox)
-        for artist, alpha in texts:
-            artist.set_alpha(alpha)
-        for artist, shown in others:
-            artist.set_visible(shown)
-    else:
-        canvas.restore_region(kept.background)
-    renderer = canvas.get_renderer()
-    for artist in kept.animated:
-        if artist.get_visible():
-            artist.draw(renderer)
-
-
-def _write(canvas, writer, tag: str, step: int) -> None:
-    image = np.moveaxis(np.asarray(canvas.buffer_rgba())[:, :, :3], 2, 0)  # (3, H, W)
-    writer.add_image(tag, image, step, dataformats="CHW")
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step, walltime)
 
 
 def writer_figures(writer) -> FigureCache:
@@ -477,24 +347,6 @@ def log_figure(writer, tag: str, step: int, build, update=None, cache: FigureCac
         writer.add_figure(tag, build(), step)
     else:
         cache.add(writer, tag, step, build, update, layout)
-
-
-CONFUSION_TITLE = "validation confusion matrix"
-
-
-def confusion_matrix_figure(confusion: torch.Tensor, class_names: Sequence[str]):
-    """Confusion matrix (rows: true class, columns: predicted) with counts written in each cell."""
-    return heatmap_figure(
-        confusion,
-        title=CONFUSION_TITLE,
-        xlabel="predicted",
-        ylabel="true",
-        xticklabels=class_names,
-        yticklabels=class_names,
-        cmap="Blues",
-        annotate=True,
-        figsize=(2.5 + 0.6 * len(class_names), 2.0 + 0.5 * len(class_names)),
-    )
 
 
 def figure_to_array(fig) -> np.ndarray:

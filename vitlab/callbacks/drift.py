@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
@@ -25,16 +26,13 @@ from vitlab.tblog import (
     FigureCache,
     epoch_end_step,
     figures_due,
-    heatmap_figure,
     log_figure,
-    new_figure,
-    redrawn,
     save_safetensors,
     tensorboard_writer,
-    update_heatmap,
     write_csv,
     write_layout_once,
 )
+from vitlab.figures import heatmap_figure, heatmap_update, local_drift_figure, local_drift_update, update_local_drift_figure  # noqa: F401
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
 MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
@@ -110,79 +108,25 @@ def _log_histograms(writer, rows_ref, step) -> None:
 
 
 def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True, cache: FigureCache | None = None) -> None:
+    # (build / update: partials of vitlab.figures with numpy arrays, drawn later in the figure process)
     blocks = list(heads)
     for name in DRIFT_METRICS + ("rel_frobenius",):
-        grid = torch.tensor([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
+        grid = np.array([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
         title = f"{name} vs reference\n(mean over rows), step {step}"
-        log_figure(  # (partial: the figure may be drawn later, on the figure thread, with this loop's values)
+        log_figure(
             writer, f"drift_map/{name}", step,
             partial(heatmap_figure, grid, title=title, xticklabels=blocks, yticklabels=[m.upper() for m in MATRICES], xlabel="block",
                     figsize=(3.0 + 0.32 * len(blocks), 3.4)),
-            partial(_update_heatmap, grid, title), cache, layout=tuple(blocks),
+            partial(heatmap_update, grid, title, None, None), cache, layout=tuple(blocks),
         )  # fmt: skip
     if not local_maps:
         return
     for block in blocks:
-        grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]) for m in MATRICES] for name in LOCAL_METRICS}
+        grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]).double().numpy() for m in MATRICES] for name in LOCAL_METRICS}
         log_figure(
             writer, f"drift_local/{block}", step, partial(local_drift_figure, block, grids, step),
-            partial(_update_local, block, grids, step), cache, layout=(tuple(grids), tuple(grids[LOCAL_METRICS[0]][0].shape)),
+            partial(local_drift_update, block, grids, step), cache, layout=(tuple(grids), grids[LOCAL_METRICS[0]][0].shape),
         )  # fmt: skip
-
-
-def _update_heatmap(grid, title, fig) -> None:
-    update_heatmap(fig, grid, title=title)
-
-
-def _update_local(block, grids, step, fig) -> None:
-    update_local_drift_figure(fig, block, grids, step)
-
-
-def local_drift_figure(block: str, grids: dict[str, list[torch.Tensor]], step: int):
-    """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
-    Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
-    fig = new_figure((7.2, 1.2 + 1.7 * len(grids)))
-    axes = fig.subplots(len(grids), len(MATRICES), squeeze=False, sharex=True, sharey=True)
-    fig.subplots_adjust(left=0.12, right=0.86, bottom=0.13, top=0.85, wspace=0.08, hspace=0.3)
-    heads, head_dim = next(iter(grids.values()))[0].shape
-    axes[0, 0].set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
-    axes[0, 0].set_xticks(sorted({0, head_dim // 2, head_dim - 1}))  # explicit ticks: the locators cost ~0.1 s
-    for r, (name, per_matrix) in enumerate(grids.items()):  # per_matrix: [(H, hd)] for Q, K, V
-        vmax = max(float(g.max()) for g in per_matrix) or 1.0
-        for c, (m, grid) in enumerate(zip(MATRICES, per_matrix)):
-            ax = axes[r, c]
-            im = ax.imshow(grid.double().numpy(), aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=vmax)
-            redrawn(fig, im, *ax.spines.values())  # over the kept background (see FigureCache); spines above the image
-            ax.tick_params(labelsize=7, labelleft=c == 0, labelbottom=r == len(grids) - 1)
-            if r == 0:
-                ax.set_title(m.upper(), fontsize=10)
-            if r == len(grids) - 1:
-                ax.set_xlabel(f"row in head (0..{head_dim - 1})", fontsize=8)
-            if c == 0:
-                ax.set_ylabel(f"{name.replace('_', ' ')}\nhead", fontsize=8)
-        box = axes[r, -1].get_position()
-        cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.015, box.height), label="<colorbar>")
-        cbar = fig.colorbar(im, cax=cax, ticks=[0.0, vmax / 2, vmax])
-        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
-        cbar.ax.tick_params(labelsize=7)
-        redrawn(fig, cax)
-    redrawn(fig, fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10))
-    return fig
-
-
-def update_local_drift_figure(fig, block: str, grids: dict[str, list[torch.Tensor]], step: int) -> None:
-    """New grids (same shapes and metrics) in a :func:`local_drift_figure`: the pixels a new one would have."""
-    panels = [ax for ax in fig.axes if ax.get_images() and ax.get_label() != "<colorbar>"]
-    for r, (name, per_matrix) in enumerate(grids.items()):
-        vmax = max(float(g.max()) for g in per_matrix) or 1.0
-        for c, grid in enumerate(per_matrix):
-            im = panels[r * len(MATRICES) + c].get_images()[0]
-            im.set_data(grid.double().numpy())
-            im.set_clim(0.0, vmax)
-        cbar = im.colorbar
-        cbar.set_ticks([0.0, vmax / 2, vmax])
-        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
-    fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
 
 
 def drift_layout() -> dict[str, Any]:

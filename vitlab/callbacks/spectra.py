@@ -10,13 +10,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
 import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import block_stage
-from vitlab.tblog import FigureCache, heatmap_figure, log_figure, new_figure, update_heatmap, write_csv
+from vitlab.figures import heatmap_figure, heatmap_update, stage_curves_figure, stage_curves_update, update_stage_curves_figure
+from vitlab.tblog import FigureCache, log_figure, write_csv
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -37,52 +37,20 @@ def spectra_rows(spectra: dict[str, Any], epoch: int | None = None) -> list[dict
     return rows
 
 
+def stage_curves(spectra: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """block -> the head-summed spectra :func:`vitlab.figures.stage_curves_figure` plots, as numpy arrays."""
+    return {b: tuple(v[0].double().cpu().numpy() for v in (s.summed.sym_eigvals, s.summed.asym_imag, s.summed.singular_values))
+            for b, s in spectra.items()}
+
+
 def stage_figure(stage: str, spectra: dict[str, Any]):
-    """Seed 002's Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values."""
-    fig = new_figure((12, 3.4))
-    axes = fig.subplots(1, 3)
-    colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, max(len(spectra), 1)))
-    for color, (block, s) in zip(colors, spectra.items()):
-        label = block.split(".", 1)[1]
-        sym = s.summed.sym_eigvals[0].double().cpu().numpy()
-        axes[0].plot(np.arange(1, len(sym) + 1), sym, color=color, label=label, lw=1.2)
-        asym = s.summed.asym_imag[0].double().cpu().numpy()
-        axes[1].plot(np.arange(1, len(asym) + 1), asym, color=color, lw=1.2)
-        sv = s.summed.singular_values[0].double().cpu().numpy()
-        axes[2].semilogy(np.arange(1, len(sv) + 1), sv / max(sv[0], 1e-30), color=color, lw=1.2)
-    axes[0].axhline(0.0, color="k", lw=0.6)
-    axes[0].set_title("eigenvalues of sym. part (W_Q W_K^T)", fontsize=9)
-    axes[1].set_title("antisym. part: lambda of +-i lambda pairs", fontsize=9)
-    axes[2].set_title("singular values / largest", fontsize=9)
-    for ax in axes:
-        ax.set_xlabel("index")
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{stage}: QK bilinear form, heads summed", fontsize=10)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.82, wspace=0.22)  # tight_layout costs ~0.4 s
-    return fig
+    """Seed 002's Fig. 5 for one stage (:func:`vitlab.figures.stage_curves_figure`) from ``qk_spectra`` results."""
+    return stage_curves_figure(stage, stage_curves(spectra))
 
 
 def update_stage_figure(fig, spectra: dict[str, Any]) -> None:
     """New spectra (same blocks and sizes) in a :func:`stage_figure`: the pixels a new one would have."""
-    axes = fig.axes[:3]
-    for i, s in enumerate(spectra.values()):
-        curves = (s.summed.sym_eigvals[0], s.summed.asym_imag[0], s.summed.singular_values[0])
-        for ax, values in zip(axes, curves):
-            y = values.double().cpu().numpy()
-            if ax is axes[2]:
-                y = y / max(y[0], 1e-30)
-            ax.lines[i].set_ydata(y)
-    for ax in axes:
-        ax.relim()
-        ax.autoscale_view()
-
-
-def _update_stage(group, fig) -> None:
-    update_stage_figure(fig, group)
-
-
-def _update_positive_mass(grid, title, fig) -> None:
-    update_heatmap(fig, grid, title=title, vmin=0.0, vmax=1.0)
+    update_stage_curves_figure(fig, stage_curves(spectra))
 
 
 def report_spectra(
@@ -100,14 +68,15 @@ def report_spectra(
         by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
         for block, s in spectra.items():
             by_stage[block_stage(block)][block] = s
-        for stage, group in by_stage.items():  # (partial: the figure may be drawn later, with this loop's values)
-            log_figure(writer, f"spectra_figure/{stage}", step, partial(stage_figure, stage, group),
-                       partial(_update_stage, group), figure_cache,
-                       layout=tuple((b, len(s.summed.sym_eigvals[0]), len(s.summed.asym_imag[0]), len(s.summed.singular_values[0])) for b, s in group.items()))
+        for stage, group in by_stage.items():  # (partials of vitlab.figures with numpy arrays: drawn in the figure process)
+            curves = stage_curves(group)
+            log_figure(writer, f"spectra_figure/{stage}", step, partial(stage_curves_figure, stage, curves),
+                       partial(stage_curves_update, curves), figure_cache,
+                       layout=tuple((b, *(len(v) for v in values)) for b, values in curves.items()))
         max_heads = max(len(s.positive_mass) for s in spectra.values())
-        grid = torch.full((len(spectra), max_heads), float("nan"))
+        grid = np.full((len(spectra), max_heads), np.nan)
         for i, s in enumerate(spectra.values()):
-            grid[i, : len(s.positive_mass)] = s.positive_mass.float()
+            grid[i, : len(s.positive_mass)] = s.positive_mass.double().cpu().numpy()
         blocks = list(spectra)
         title = f"positive mass of sym(W_Q W_K^T), step {step}"
         build = partial(
@@ -125,7 +94,7 @@ def report_spectra(
             nan_color="white",
             figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
         )
-        log_figure(writer, "spectra_heads/positive_mass", step, build, partial(_update_positive_mass, grid, title), figure_cache,
+        log_figure(writer, "spectra_heads/positive_mass", step, build, partial(heatmap_update, grid, title, 0.0, 1.0), figure_cache,
                    layout=(tuple(blocks), max_heads))
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from torchmetrics.classification import (
 )
 
 from vitlab import models
-from vitlab.tblog import CONFUSION_TITLE, confusion_matrix_figure, figures_due, log_figure, logging_step, tensorboard_writer, update_heatmap, writer_figures
+from vitlab.figures import CONFUSION_TITLE, confusion_matrix_figure, heatmap_update
+from vitlab.tblog import figures_due, log_figure, logging_step, tensorboard_writer, writer_figures
 from vitlab.training.base import TaskModule, warmup_cosine
 
 __all__ = ["ClassificationModule", "warmup_cosine"]
@@ -137,9 +139,9 @@ class ClassificationModule(TaskModule):
         if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
             writer = tensorboard_writer(self.trainer)
             if writer is not None:  # at val/*'s step; the figure is kept with the writer and updated next time
-                names = list(self.class_names)  # (drawn later on the figure thread: build and update carry their data)
-                log_figure(writer, "val/confusion_matrix", logging_step(self.trainer), lambda: confusion_matrix_figure(confusion, names),
-                           lambda fig: update_heatmap(fig, confusion, title=CONFUSION_TITLE), writer_figures(writer), tuple(names))
+                names, counts = list(self.class_names), confusion.numpy()  # (drawn in the figure process)
+                log_figure(writer, "val/confusion_matrix", logging_step(self.trainer), partial(confusion_matrix_figure, counts, names),
+                           partial(heatmap_update, counts, CONFUSION_TITLE, None, None), writer_figures(writer), tuple(names))
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._step(batch, self.test_metrics, "test")

@@ -1,0 +1,355 @@
+"""The figures vitlab logs during training, and the process that draws them beside it.
+
+numpy and matplotlib only (no torch, no Lightning): the training run's figures are built, updated and drawn in
+a separate low-priority process (:class:`FigureProcess`) that imports this module and nothing heavier. Drawing
+them on a thread of the training process cost 4-5 s of a 27 s quickstart fit: matplotlib is Python code and held
+the interpreter's lock between the training thread's operations.
+
+A figure is described by two picklable callables: ``build()`` makes it, ``update(fig)`` puts new values in it
+(``functools.partial`` of this module's functions with numpy arrays). :class:`FigureStore` keeps each tag's
+figure, updates it instead of building it again, and rasterises only the artists marked :func:`redrawn` over a
+background drawn once (blitting: matplotlib's ``copy_from_bbox`` / ``restore_region``). The images are the
+ones new figures would give, pixel for pixel (tests compare them).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import numpy as np  # noqa: E402
+
+MATRICES = ("q", "k", "v")
+CONFUSION_TITLE = "validation confusion matrix"
+WIDEST_TICK = "-0.000888"  # the widest colour-bar tick label "{:.3g}" writes (DejaVu Sans: all digits equally wide)
+
+
+def as_array(values: Any) -> np.ndarray:
+    """float64 numpy array of an array or a torch tensor (without importing torch)."""
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=float)
+
+
+def new_figure(figsize: tuple[float, float], dpi: int = 90):
+    """A matplotlib ``Figure`` on its own Agg canvas, outside pyplot's figure list (not needed to render an image,
+    and its registry is not thread-safe)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def redrawn(fig, *artists):
+    """Mark artists of ``fig`` that change between a kept figure's images (see :class:`FigureStore`), in the
+    order they are drawn; returns the first. Only the store reads the mark: the figure draws as any other."""
+    fig.__dict__.setdefault("_vitlab_redrawn", []).extend(artists)
+    return artists[0] if artists else None
+
+
+# ---------------------------------------------------------------------------------------------------- heatmaps
+def heatmap_figure(
+    matrix: Any,
+    *,
+    title: str = "",
+    xlabel: str = "",
+    ylabel: str = "",
+    xticklabels: Sequence[str] | None = None,
+    yticklabels: Sequence[str] | None = None,
+    cmap: str = "viridis",
+    annotate: bool = False,
+    colorbar_label: str = "",
+    figsize: tuple[float, float] | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    nan_color: str = "0.75",
+):
+    """A matplotlib heatmap of a 2-D array (rows top to bottom; NaN cells in ``nan_color``), for ``add_figure``."""
+    data = as_array(matrix)
+    rows, cols = data.shape
+    if figsize is None:
+        figsize = (min(2.0 + 0.35 * cols, 14.0) if xticklabels is not None else 7.0, min(1.5 + 0.3 * rows, 12.0) if yticklabels is not None else 4.0)
+    fig = new_figure(figsize)
+    ax = fig.subplots()
+    colormap = matplotlib.colormaps[cmap].with_extremes(bad=nan_color)
+    im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap=colormap, interpolation="nearest", vmin=vmin, vmax=vmax)
+    cbar = fig.colorbar(im, ax=ax)
+    cbar.formatter = _colorbar_formatter()
+    if colorbar_label:
+        cbar.set_label(colorbar_label)
+    if xticklabels is not None:
+        long_labels = cols > 6 or max((len(str(t)) for t in xticklabels), default=0) > 6
+        ax.set_xticks(range(cols), labels=list(xticklabels), rotation=90 if long_labels else 0, fontsize=7)
+    if yticklabels is not None:
+        ax.set_yticks(range(rows), labels=list(yticklabels), fontsize=7)
+    if annotate:
+        for r in range(rows):
+            for c in range(cols):
+                ax.text(c, r, f"{data[r, c]:.3g}", ha="center", va="center", fontsize=7, color="w")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    _layout_for_any_values(fig, cbar)
+    redrawn(fig, im, *ax.spines.values(), *ax.texts, ax.title, cbar.ax)  # the rest stays: see FigureStore
+    return fig
+
+
+def _colorbar_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, pos: f"{value:.3g}")
+
+
+def _layout_for_any_values(fig, cbar) -> None:
+    """``tight_layout`` with room for the widest tick label the colour bar can show, so that the layout does
+    not depend on the values: an updated figure keeps it (no new layout: 8 ms) and its axes stay where
+    they were (its static parts need no redrawing). Titles do not count (their width is ignored by it)."""
+    from matplotlib.ticker import FuncFormatter
+
+    formatter = cbar.formatter
+    cbar.formatter = FuncFormatter(lambda value, pos: WIDEST_TICK)
+    fig.tight_layout()
+    cbar.formatter = formatter
+
+
+def update_heatmap(fig, matrix: Any, *, title: str = "", vmin: float | None = None, vmax: float | None = None) -> None:
+    """Show new values (same shape) in a :func:`heatmap_figure`: the pixels a new one would have (tested)."""
+    data = as_array(matrix)
+    ax = fig.axes[0]
+    im = ax.get_images()[0]
+    masked = np.ma.masked_invalid(data)
+    im.set_data(masked)
+    # None: from the data, as imshow does (one set_clim: a colour bar resets a half-unset norm to [0, 1])
+    im.set_clim(masked.min() if vmin is None else vmin, masked.max() if vmax is None else vmax)
+    for text, value in zip(ax.texts, data.ravel()):  # annotate=True: one text per cell, row by row
+        text.set_text(f"{value:.3g}")
+    ax.set_title(title, fontsize=9)  # (the layout holds for any values: see _layout_for_any_values)
+
+
+def heatmap_update(matrix: Any, title: str, vmin: float | None, vmax: float | None, fig) -> None:
+    """:func:`update_heatmap` with the figure last (``partial(heatmap_update, matrix, title, vmin, vmax)``)."""
+    update_heatmap(fig, matrix, title=title, vmin=vmin, vmax=vmax)
+
+
+def confusion_matrix_figure(confusion: Any, class_names: Sequence[str]):
+    """Confusion matrix (rows: true class, columns: predicted) with counts written in each cell."""
+    return heatmap_figure(
+        confusion,
+        title=CONFUSION_TITLE,
+        xlabel="predicted",
+        ylabel="true",
+        xticklabels=class_names,
+        yticklabels=class_names,
+        cmap="Blues",
+        annotate=True,
+        figsize=(2.5 + 0.6 * len(class_names), 2.0 + 0.5 * len(class_names)),
+    )
+
+
+# ---------------------------------------------------------------------------------------- Q/K/V drift, spectra
+def local_drift_figure(block: str, grids: dict[str, list[Any]], step: int):
+    """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
+    Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
+    grids = {name: [as_array(g) for g in per_matrix] for name, per_matrix in grids.items()}
+    fig = new_figure((7.2, 1.2 + 1.7 * len(grids)))
+    axes = fig.subplots(len(grids), len(MATRICES), squeeze=False, sharex=True, sharey=True)
+    fig.subplots_adjust(left=0.12, right=0.86, bottom=0.13, top=0.85, wspace=0.08, hspace=0.3)
+    heads, head_dim = next(iter(grids.values()))[0].shape
+    axes[0, 0].set_yticks(range(heads), labels=[f"h{h}" for h in range(heads)], fontsize=7)
+    axes[0, 0].set_xticks(sorted({0, head_dim // 2, head_dim - 1}))  # explicit ticks: the locators cost ~0.1 s
+    for r, (name, per_matrix) in enumerate(grids.items()):  # per_matrix: [(H, hd)] for Q, K, V
+        vmax = max(float(g.max()) for g in per_matrix) or 1.0
+        for c, (m, grid) in enumerate(zip(MATRICES, per_matrix)):
+            ax = axes[r, c]
+            im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=vmax)
+            redrawn(fig, im, *ax.spines.values())  # over the kept background; spines above the image
+            ax.tick_params(labelsize=7, labelleft=c == 0, labelbottom=r == len(grids) - 1)
+            if r == 0:
+                ax.set_title(m.upper(), fontsize=10)
+            if r == len(grids) - 1:
+                ax.set_xlabel(f"row in head (0..{head_dim - 1})", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"{name.replace('_', ' ')}\nhead", fontsize=8)
+        box = axes[r, -1].get_position()
+        cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.015, box.height), label="<colorbar>")
+        cbar = fig.colorbar(im, cax=cax, ticks=[0.0, vmax / 2, vmax])
+        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
+        cbar.ax.tick_params(labelsize=7)
+        redrawn(fig, cax)
+    redrawn(fig, fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10))
+    return fig
+
+
+def update_local_drift_figure(fig, block: str, grids: dict[str, list[Any]], step: int) -> None:
+    """New grids (same shapes and metrics) in a :func:`local_drift_figure`: the pixels a new one would have."""
+    panels = [ax for ax in fig.axes if ax.get_images() and ax.get_label() != "<colorbar>"]
+    for r, (name, per_matrix) in enumerate(grids.items()):
+        per_matrix = [as_array(g) for g in per_matrix]
+        vmax = max(float(g.max()) for g in per_matrix) or 1.0
+        for c, grid in enumerate(per_matrix):
+            im = panels[r * len(MATRICES) + c].get_images()[0]
+            im.set_data(grid)
+            im.set_clim(0.0, vmax)
+        cbar = im.colorbar
+        cbar.set_ticks([0.0, vmax / 2, vmax])
+        cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
+    fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
+
+
+def local_drift_update(block: str, grids: dict[str, list[Any]], step: int, fig) -> None:
+    """:func:`update_local_drift_figure` with the figure last (for ``functools.partial``)."""
+    update_local_drift_figure(fig, block, grids, step)
+
+
+def stage_curves_figure(stage: str, curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]):
+    """Seed 002's Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values.
+
+    ``curves``: block -> (eigenvalues of the symmetric part, lambda of the antisymmetric part's +-i lambda pairs,
+    singular values), of the head-summed W_Q W_K^T, each descending."""
+    fig = new_figure((12, 3.4))
+    axes = fig.subplots(1, 3)
+    colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, max(len(curves), 1)))
+    for color, (block, (sym, asym, sv)) in zip(colors, curves.items()):
+        label = block.split(".", 1)[1]
+        sym, asym, sv = as_array(sym), as_array(asym), as_array(sv)
+        axes[0].plot(np.arange(1, len(sym) + 1), sym, color=color, label=label, lw=1.2)
+        axes[1].plot(np.arange(1, len(asym) + 1), asym, color=color, lw=1.2)
+        axes[2].semilogy(np.arange(1, len(sv) + 1), sv / max(sv[0], 1e-30), color=color, lw=1.2)
+    axes[0].axhline(0.0, color="k", lw=0.6)
+    axes[0].set_title("eigenvalues of sym. part (W_Q W_K^T)", fontsize=9)
+    axes[1].set_title("antisym. part: lambda of +-i lambda pairs", fontsize=9)
+    axes[2].set_title("singular values / largest", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("index")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{stage}: QK bilinear form, heads summed", fontsize=10)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.82, wspace=0.22)  # tight_layout costs ~0.4 s
+    return fig
+
+
+def update_stage_curves_figure(fig, curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """New curves (same blocks and sizes) in a :func:`stage_curves_figure`: the pixels a new one would have."""
+    axes = fig.axes[:3]
+    for i, values in enumerate(curves.values()):
+        for ax, y in zip(axes, values):
+            y = as_array(y)
+            if ax is axes[2]:
+                y = y / max(y[0], 1e-30)
+            ax.lines[i].set_ydata(y)
+    for ax in axes:
+        ax.relim()
+        ax.autoscale_view()
+
+
+def stage_curves_update(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], fig) -> None:
+    """:func:`update_stage_curves_figure` with the figure last (for ``functools.partial``)."""
+    update_stage_curves_figure(fig, curves)
+
+
+# ------------------------------------------------------------------------------------------- keeping, drawing
+class _Kept:
+    """A kept figure: its canvas, the layout it was built for, its redrawn artists and static background."""
+
+    __slots__ = ("canvas", "layout", "animated", "background")
+
+    def __init__(self, canvas, layout: Any) -> None:
+        self.canvas, self.layout = canvas, layout
+        self.animated = list(canvas.figure.__dict__.get("_vitlab_redrawn", ()))  # see redrawn()
+        self.background = None
+
+
+class FigureStore:
+    """Figures kept by tag: ``render`` builds a tag's figure the first time (or for a new ``layout``), else
+    updates it, and returns its image as PNG bytes; ``builds`` counts the builds per tag."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, _Kept] = {}
+        self.builds: dict[str, int] = {}
+
+    def render(self, tag: str, build: Callable[[], Any], update: Callable[[Any], None], layout: Any = None) -> tuple[bytes, bool]:
+        """PNG of the tag's figure with the new values, and whether it was built."""
+        kept = self.figures.get(tag)
+        built = kept is None or kept.layout != layout
+        if built:
+            fig = build()
+            if fig.canvas.manager is not None:  # a pyplot figure: kept here, not among pyplot's open figures
+                import matplotlib.pyplot as plt
+
+                plt.close(fig)
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)  # keeps text metrics
+            self.figures[tag] = kept = _Kept(canvas, layout)
+            self.builds[tag] = self.builds.get(tag, 0) + 1
+        else:
+            update(kept.canvas.figure)
+        _draw(kept)
+        return png(np.asarray(kept.canvas.buffer_rgba())[:, :, :3]), built
+
+
+def _draw(kept: _Kept) -> None:
+    """Rasterise a kept figure: whole, or its redrawn artists over the kept static background."""
+    canvas, fig = kept.canvas, kept.canvas.figure
+    if not kept.animated:
+        canvas.draw()  # what add_figure does, on a new canvas each time
+        return
+    if kept.background is None:
+        from matplotlib.text import Text
+
+        # left out of the background: texts drawn transparent (a hidden axes title has no extent, and the
+        # title placement would move it), the rest hidden
+        texts = [(a, a.get_alpha()) for a in kept.animated if isinstance(a, Text)]
+        others = [(a, a.get_visible()) for a in kept.animated if not isinstance(a, Text)]
+        for artist, _ in texts:
+            artist.set_alpha(0.0)
+        for artist, _ in others:
+            artist.set_visible(False)
+        canvas.draw()
+        kept.background = canvas.copy_from_bbox(fig.bbox)
+        for artist, alpha in texts:
+            artist.set_alpha(alpha)
+        for artist, shown in others:
+            artist.set_visible(shown)
+    else:
+        canvas.restore_region(kept.background)
+    renderer = canvas.get_renderer()
+    for artist in kept.animated:
+        if artist.get_visible():
+            artist.draw(renderer)
+
+
+def png(rgb: np.ndarray) -> bytes:
+    """PNG bytes of an (H, W, 3) uint8 image, encoded as TensorBoard's ``add_image`` encodes it (PIL)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------- the figure process
+_STORES: dict[Any, FigureStore] = {}  # in the figure process: one store per cache of the training process
+
+
+def _process_init() -> None:
+    """The figure process runs at the lowest CPU priority: it draws with the cycles training leaves."""
+    try:
+        os.nice(19)
+    except (AttributeError, OSError):
+        pass
+
+
+def _process_render(cache: Any, tag: str, build, update, layout: Any) -> tuple[bytes, bool, int]:
+    png_bytes, built = _STORES.setdefault(cache, FigureStore()).render(tag, build, update, layout)
+    return png_bytes, built, os.getpid()
+
+
+def _process_forget(cache: Any) -> None:
+    _STORES.pop(cache, None)
