@@ -211,3 +211,40 @@ def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp
     for tag in stage_tags:
         assert len(acc.Images(tag)) == 4, tag  # and the spectra at fit start too
     assert len(acc.Images("val/confusion_matrix")) == 3
+
+
+def test_a_training_script_without_a_main_guard_runs_once(tiny_dataset, tmp_path):
+    """The figure process is a plain subprocess: unlike multiprocessing's spawn, it does not run the user's
+    ``__main__`` script again (a script without ``if __name__ == "__main__"`` would train twice)."""
+    import subprocess
+    import sys
+
+    from tests.test_train_e2e import tiny_args
+
+    args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1)
+    marker = tmp_path / "ran"
+    script = tmp_path / "train_mine.py"
+    script.write_text(
+        "import sys\n"
+        f"open({str(marker)!r}, 'a').write('x')\n"
+        "from vitlab.cli import fit\n"
+        f"fit({args!r})\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert marker.read_text() == "x"
+    assert _images(next((tmp_path / "runs" / "tiny").iterdir()))  # the figures were drawn
+
+
+def test_a_figure_process_that_dies_fails_its_figures_with_one_clear_error():
+    from vitlab.figures import FigureProcess
+
+    process = FigureProcess()
+    fine = process.submit("render", "cache", "fine", partial(new_figure, (1, 1)), _no_update, None)
+    assert fine.result(timeout=60)[0].startswith(b"\x89PNG")
+    dead = process.submit("render", "cache", "dies", partial(os._exit, 3), _no_update, None)
+    with pytest.raises(RuntimeError, match=r"figure process ended \(exit code 3\)"):
+        dead.result(timeout=60)
+    process.shutdown()

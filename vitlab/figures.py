@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -353,3 +355,121 @@ def _process_render(cache: Any, tag: str, build, update, layout: Any) -> tuple[b
 
 def _process_forget(cache: Any) -> None:
     _STORES.pop(cache, None)
+
+
+_CALLS = {"render": _process_render, "forget": _process_forget}
+
+
+def _send(stream, message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _receive(stream) -> Any:
+    header = stream.read(8)
+    if len(header) < 8:
+        raise EOFError
+    size = int.from_bytes(header, "little")
+    return pickle.loads(stream.read(size))
+
+
+def serve() -> None:
+    """The figure process's loop (``python -c "from vitlab.figures import serve; serve()"``): read
+    ``(job id, call, args)`` messages from stdin, answer ``(job id, ok, result or exception)`` on stdout."""
+    out = os.fdopen(os.dup(1), "wb")  # the answers; anything else printed goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _process_init()
+    source = sys.stdin.buffer
+    while True:
+        try:
+            job, call, args = _receive(source)
+        except EOFError:
+            return
+        try:
+            answer = (job, True, _CALLS[call](*args))
+        except Exception as exc:  # noqa: BLE001  (sent back: raised where the figure was asked for)
+            answer = (job, False, exc)
+        try:
+            _send(out, answer)
+        except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle
+            _send(out, (job, False, RuntimeError(f"{type(answer[2]).__name__}: {answer[2]}")))
+
+
+class FigureProcess:
+    """A ``python`` child process running :func:`serve`: :meth:`submit` returns a ``concurrent.futures.Future``.
+
+    A plain subprocess, not ``multiprocessing``: its spawn method runs the user's ``__main__`` script again in the
+    child (a training script without an ``if __name__ == "__main__"`` guard would train twice), and a fork of a
+    training process copies its threads' locks (GNU OpenMP is not fork-safe). Jobs are written by a thread, so
+    :meth:`submit` never waits for the child to read them."""
+
+    def __init__(self) -> None:
+        import itertools
+        import queue
+        import subprocess
+        import threading
+        from pathlib import Path
+
+        package_root = str(Path(__file__).resolve().parents[1])  # vitlab importable in the child, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figures import serve; serve()"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._ids = itertools.count()
+        self._futures: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write, name="vitlab-figure-jobs", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="vitlab-figure-images", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    def submit(self, call: str, *args: Any):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        with self._lock:
+            job = next(self._ids)
+            self._futures[job] = future
+        self._jobs.put((job, call, args))
+        return future
+
+    def _write(self) -> None:
+        while (message := self._jobs.get()) is not None:
+            try:
+                _send(self._proc.stdin, message)
+            except (BrokenPipeError, OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
+                self._fail(message[0], exc)
+        try:
+            self._proc.stdin.close()  # the child ends when its input does
+        except OSError:
+            pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                job, ok, value = _receive(self._proc.stdout)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                break
+            with self._lock:
+                future = self._futures.pop(job, None)
+            if future is not None:
+                future.set_result(value) if ok else future.set_exception(value)
+        code = self._proc.wait()
+        with self._lock:
+            pending, self._futures = list(self._futures.values()), {}
+        for future in pending:
+            future.set_exception(RuntimeError(f"vitlab's figure process ended (exit code {code}) before drawing this figure"))
+
+    def _fail(self, job: int, exc: BaseException) -> None:
+        with self._lock:
+            future = self._futures.pop(job, None)
+        if future is not None:
+            future.set_exception(RuntimeError(f"could not send a figure to vitlab's figure process: {type(exc).__name__}: {exc}"))
+
+    def shutdown(self) -> None:
+        """Send the jobs queued, then end the child (it exits when its input closes; not waited for: its
+        interpreter's exit takes a quarter of a second, and the reading thread reaps it)."""
+        self._jobs.put(None)
+        self._writer.join()

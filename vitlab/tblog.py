@@ -204,14 +204,9 @@ def _figure_process_started():
     """The one figure process of this process (started for its first user): see :mod:`vitlab.figures`."""
     with _FIGURE_LOCK:
         if _FIGURE_PROCESS["users"] == 0:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+            from vitlab.figures import FigureProcess
 
-            from vitlab import figures
-
-            # spawn: a fresh interpreter that imports numpy and matplotlib only (a fork of a training process would
-            # copy its threads' locks, and GNU OpenMP is not fork-safe)
-            _FIGURE_PROCESS["pool"] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=figures._process_init)
+            _FIGURE_PROCESS["pool"] = FigureProcess()
         _FIGURE_PROCESS["users"] += 1
         return _FIGURE_PROCESS["pool"]
 
@@ -221,7 +216,7 @@ def _figure_process_stopped() -> None:
     with _FIGURE_LOCK:
         _FIGURE_PROCESS["users"] -= 1
         if _FIGURE_PROCESS["users"] == 0:
-            _FIGURE_PROCESS["pool"].shutdown(wait=True)
+            _FIGURE_PROCESS["pool"].shutdown()
             _FIGURE_PROCESS["pool"] = None
 
 
@@ -272,9 +267,7 @@ class FigureCache:
             self._pool = _figure_process_started()
             self._key = (os.getpid(), next(_CACHE_IDS))
             _ACTIVE_CACHES.add(self)
-        from vitlab import figures
-
-        future = self._pool.submit(figures._process_render, self._key, tag, build, update, layout)
+        future = self._pool.submit("render", self._key, tag, build, update, layout)
         self._pending.append((future, writer, tag, step, time.time()))
         self._write_done(wait=False)
 
@@ -309,9 +302,7 @@ class FigureCache:
         finally:
             self._store = type(self._store)()
             if self._pool is not None:
-                from vitlab import figures
-
-                self._pool.submit(figures._process_forget, self._key)
+                self._pool.submit("forget", self._key)
                 self._pool = None
                 _ACTIVE_CACHES.discard(self)
                 _figure_process_stopped()
