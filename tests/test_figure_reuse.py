@@ -238,12 +238,17 @@ def test_a_training_script_without_a_main_guard_runs_once(tiny_dataset, tmp_path
     assert _images(next((tmp_path / "runs" / "tiny").iterdir()))  # the figures were drawn
 
 
-def test_a_figure_process_that_dies_fails_its_figures_with_one_clear_error():
+def test_the_figure_process_priority_and_a_figure_process_that_dies():
     from vitlab.figures import FigureProcess
 
     process = FigureProcess()
     fine = process.submit("render", "cache", "fine", partial(new_figure, (1, 1)), _no_update, None)
     assert fine.result(timeout=60)[0].startswith(b"\x89PNG")
+    if hasattr(os, "SCHED_IDLE"):  # Linux: it draws at idle priority until the training process waits for it
+        assert os.sched_getscheduler(process._proc.pid) == os.SCHED_IDLE
+        process.hurry()
+        process.submit("render", "cache", "fine", partial(new_figure, (1, 1)), _no_update, None).result(timeout=60)
+        assert os.sched_getscheduler(process._proc.pid) == os.SCHED_OTHER
     dead = process.submit("render", "cache", "dies", partial(os._exit, 3), _no_update, None)
     with pytest.raises(RuntimeError, match=r"figure process ended \(exit code 3\)"):
         dead.result(timeout=60)

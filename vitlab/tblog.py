@@ -294,6 +294,8 @@ class FigureCache:
 
     def flush(self) -> None:
         """Wait until every image added is written; raise the first error a figure met."""
+        if self._pool is not None and self._pending and not self._pending[-1][0].done():
+            self._pool.hurry()  # it drew at idle priority: under a busy machine it would barely run
         self._write_done(wait=True)
 
     def clear(self) -> None:
