@@ -10,10 +10,11 @@ noisy machine where absolute times do not):
    vitlab's (imported first) on one per core, before and after 2.: the fastest is the wall-time floor, the
    least CPU per step at the quickstart's thread count the CPU-time floor;
 2. the quickstart itself (``python train.py --config configs/quickstart.yaml``, its first ``--epochs`` epochs):
-   data workers, validation, metrics, the Q/K/V callbacks' figures and tables, checkpoints; its step time is
-   the wall time of ``Trainer.fit`` divided by the optimizer steps;
-3. the quickstart again while one busy process per core competes for the CPU: its CPU time (the process
-   and its data workers) against the quiet run's shows whether threads spin when they cannot run.
+   data loading, validation, metrics, the Q/K/V callbacks' tables and figures (drawn by vitlab's figure process
+   beside it), checkpoints; its step time is the wall time of ``Trainer.fit`` divided by the optimizer steps;
+3. the quickstart again while one busy process per core competes for the CPU: its CPU time (the process,
+   its data workers and its figure process) against the quiet run's shows whether threads spin when they
+   cannot run.
 
 It prints both step times and CPU-seconds side by side with their ratios (wall, and CPU of the training process:
 the steadier figure when other jobs share the cores), then where the quickstart's fit time goes: train steps,
@@ -169,7 +170,7 @@ def report(bare_runs: list[dict], quick: dict, quick_wall: float, quick_cpu: flo
           f"{steps} steps = {quick['fit_s']:5.1f} s, {quick['fit_cpu_s']:5.1f} CPU-s")
     print(f"ratio (wall)        : {step_s / bare_s:7.2f}x  (goal <= 1.5x)")
     print(f"ratio (CPU)         : {cpu_step / bare_cpu:7.2f}x  (CPU of the training process; steadier than wall time when the machine is shared)")
-    print(f"quickstart process  : {quick_wall:6.1f} s wall, {quick_cpu:6.1f} CPU-s (with start-up and data workers)")
+    print(f"quickstart process  : {quick_wall:6.1f} s wall, {quick_cpu:6.1f} CPU-s (with start-up, data workers and the figure process)")
     parts = quick["parts"]
     loop_wall, loop_cpu = parts.pop("fit loop")
     first = parts.pop("Q/K/V at fit start")

@@ -33,7 +33,7 @@ class SigkillAfterEpoch(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == self.epoch:
-            flush_figures()  # the images drawn so far on the figure thread (a kill loses those still queued)
+            flush_figures()  # the images handed to the figure process so far (a kill loses those not yet written)
             trainer.logger.experiment.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 

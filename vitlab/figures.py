@@ -341,20 +341,16 @@ _STORES: dict[Any, FigureStore] = {}  # in the figure process: one store per cac
 
 
 def _process_init() -> None:
-    """The figure process draws with the cycles training leaves: Linux's ``SCHED_IDLE`` policy (it runs only
-    when no other task wants a core) until the training process waits for its figures (:func:`_hurry`, read
-    between two figures). Elsewhere it keeps the normal priority: a raised nice value could not be lowered again,
-    and on a busy machine the last figures would then take minutes."""
+    """The figure process draws with the cycles training leaves: Linux's ``SCHED_IDLE`` policy (it runs only when
+    no other task wants a core), else the largest nice value. On a busy machine it may barely run: a flush that
+    waits too long draws the rest in the training process (see ``vitlab.tblog.FigureCache``)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
     except (AttributeError, OSError):
         pass
-
-
-def _hurry() -> None:
-    """Back to the normal policy (allowed without privileges at an unchanged nice value)."""
     try:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        os.nice(19)
     except (AttributeError, OSError):
         pass
 
@@ -385,29 +381,19 @@ def _receive(stream) -> Any:
     return pickle.loads(stream.read(size))
 
 
-def serve(hurry_fd: int | None = None) -> None:
+def serve() -> None:
     """The figure process's loop (``python -c "from vitlab.figures import serve; serve()"``): read
-    ``(job id, call, args)`` messages from stdin, answer ``(job id, ok, result or exception)`` on stdout;
-    a byte on ``hurry_fd`` (checked before each job) restores the normal CPU priority."""
+    ``(job id, call, args)`` messages from stdin, answer ``(job id, ok, result or exception)`` on stdout."""
     out = os.fdopen(os.dup(1), "wb")  # the answers; anything else printed goes to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     _process_init()
-    if hurry_fd is not None:
-        os.set_blocking(hurry_fd, False)
     source = sys.stdin.buffer
     while True:
         try:
             job, call, args = _receive(source)
         except EOFError:
             return
-        if hurry_fd is not None:
-            try:
-                if os.read(hurry_fd, 64):
-                    _hurry()
-                    hurry_fd = None
-            except BlockingIOError:
-                pass
         try:
             answer = (job, True, _CALLS[call](*args))
         except Exception as exc:  # noqa: BLE001  (sent back: raised where the figure was asked for)
@@ -435,12 +421,8 @@ class FigureProcess:
 
         package_root = str(Path(__file__).resolve().parents[1])  # vitlab importable in the child, installed or not
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        hurry_read, self._hurry_fd = os.pipe() if os.name == "posix" else (None, None)
-        code = f"from vitlab.figures import serve; serve({hurry_read})"
-        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                      pass_fds=() if hurry_read is None else (hurry_read,))
-        if hurry_read is not None:
-            os.close(hurry_read)
+        self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figures import serve; serve()"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ids = itertools.count()
         self._futures: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -493,21 +475,8 @@ class FigureProcess:
         if future is not None:
             future.set_exception(RuntimeError(f"could not send a figure to vitlab's figure process: {type(exc).__name__}: {exc}"))
 
-    def hurry(self) -> None:
-        """Normal CPU priority from the next figure on: the training process waits for the figures."""
-        if self._hurry_fd is not None:
-            try:
-                os.write(self._hurry_fd, b"!")
-                os.close(self._hurry_fd)
-            except OSError:
-                pass
-            self._hurry_fd = None
-
     def shutdown(self) -> None:
         """Send the jobs queued, then end the child (it exits when its input closes; not waited for: its
         interpreter's exit takes a quarter of a second, and the reading thread reaps it)."""
         self._jobs.put(None)
         self._writer.join()
-        if self._hurry_fd is not None:
-            os.close(self._hurry_fd)
-            self._hurry_fd = None

@@ -194,6 +194,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
+FIGURE_PATIENCE_S = 2.0  # how long a flush waits for an answer of the figure process before drawing the rest itself
 _FIGURE_LOCK = threading.Lock()
 _FIGURE_PROCESS: dict[str, Any] = {"pool": None, "users": 0}  # the shared figure process and its caches in use
 _ACTIVE_CACHES: "weakref.WeakSet[FigureCache]" = weakref.WeakSet()
@@ -253,7 +254,7 @@ class FigureCache:
         self._background = background
         self._pool = None  # the figure process while this cache uses it
         self._key: Any = None
-        self._pending: collections.deque = collections.deque()  # (future, writer, tag, step, walltime), in order
+        self._pending: collections.deque = collections.deque()  # (future, writer, tag, step, walltime, build, update, layout)
         self.builds: collections.Counter = collections.Counter()
         self.drawn_by: set[int] = set()  # process ids that drew this cache's figures
 
@@ -268,16 +269,27 @@ class FigureCache:
             self._key = (os.getpid(), next(_CACHE_IDS))
             _ACTIVE_CACHES.add(self)
         future = self._pool.submit("render", self._key, tag, build, update, layout)
-        self._pending.append((future, writer, tag, step, time.time()))
+        self._pending.append((future, writer, tag, step, time.time(), build, update, layout))
         self._write_done(wait=False)
 
     def _write_done(self, wait: bool) -> None:
-        """Write the drawn images at the head of the queue (all of them, waiting, when ``wait``)."""
+        """Write the drawn images at the head of the queue; when ``wait``, all of them: once the figure process has
+        answered nothing for :data:`FIGURE_PATIENCE_S` (on a busy machine it gets almost no CPU), the rest are
+        drawn here."""
         error = None
+        patience = FIGURE_PATIENCE_S
         while self._pending and (wait or self._pending[0][0].done()):
-            future, writer, tag, step, walltime = self._pending.popleft()
+            future, writer, tag, step, walltime, build, update, layout = self._pending.popleft()
             try:
-                png, built, pid = future.result()
+                png, built, pid = future.result(timeout=patience)
+            except TimeoutError:  # (its late answer is ignored; its own copy of the figure stays up to date)
+                patience = 0.0
+                try:
+                    png, built = self._store.render(tag, build, update, layout)
+                except Exception as exc:  # noqa: BLE001
+                    error = error or exc
+                    continue
+                pid = os.getpid()
             except Exception as exc:  # noqa: BLE001  (raised by flush, after the other images are written)
                 error = error or exc
                 continue
@@ -294,8 +306,6 @@ class FigureCache:
 
     def flush(self) -> None:
         """Wait until every image added is written; raise the first error a figure met."""
-        if self._pool is not None and self._pending and not self._pending[-1][0].done():
-            self._pool.hurry()  # it drew at idle priority: under a busy machine it would barely run
         self._write_done(wait=True)
 
     def clear(self) -> None:

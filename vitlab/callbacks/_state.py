@@ -104,8 +104,8 @@ class EpochCallback:
         self._dir: Path | None = None
         from vitlab.tblog import FigureCache  # matplotlib: not at import (probe start-up)
 
-        # the figures of the last epoch that drew them, updated by the next one and drawn on a worker thread while
-        # training goes on (teardown, or an exception, waits for the last images before the logger closes)
+        # the figures of the last epoch that drew them, updated by the next one and drawn by vitlab's figure process
+        # while training goes on (teardown, or an exception, waits for the last images before the logger closes)
         self._figures = FigureCache(background=True)
 
     @property

@@ -76,7 +76,7 @@ class TaskModule(pl.LightningModule):
             logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
 
     def teardown(self, stage: str) -> None:
-        """Write the images still being drawn on the figure thread (the confusion matrix) before the logger closes."""
+        """Write the images still being drawn by the figure process (the confusion matrix) before the logger closes."""
         from vitlab.tblog import close_writer_figures
 
         for logger in getattr(self._trainer, "loggers", None) or []:
