@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -424,6 +425,7 @@ class FigureProcess:
         self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figures import serve; serve()"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ids = itertools.count()
+        self.last_answer = 0.0  # time.monotonic() of the child's last answer
         self._futures: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -459,6 +461,7 @@ class FigureProcess:
                 job, ok, value = _receive(self._proc.stdout)
             except (EOFError, OSError, pickle.UnpicklingError):
                 break
+            self.last_answer = time.monotonic()
             with self._lock:
                 future = self._futures.pop(job, None)
             if future is not None:
@@ -476,7 +479,11 @@ class FigureProcess:
             future.set_exception(RuntimeError(f"could not send a figure to vitlab's figure process: {type(exc).__name__}: {exc}"))
 
     def shutdown(self) -> None:
-        """Send the jobs queued, then end the child (it exits when its input closes; not waited for: its
-        interpreter's exit takes a quarter of a second, and the reading thread reaps it)."""
-        self._jobs.put(None)
-        self._writer.join()
+        """End the child now. Its caller has every image it waits for (written, or drawn in the training process
+        when the child was too slow): jobs the child still holds are stale, and waiting until it has read them
+        all took minutes on a busy machine."""
+        try:
+            self._proc.kill()
+        except OSError:
+            pass
+        self._jobs.put(None)  # the job thread ends (its blocked write fails once the child is gone)

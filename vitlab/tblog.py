@@ -254,7 +254,7 @@ class FigureCache:
         self._background = background
         self._pool = None  # the figure process while this cache uses it
         self._key: Any = None
-        self._pending: collections.deque = collections.deque()  # (future, writer, tag, step, walltime, build, update, layout)
+        self._pending: collections.deque = collections.deque()  # (future, writer, tag, step, walltime, asked, build, update, layout)
         self.builds: collections.Counter = collections.Counter()
         self.drawn_by: set[int] = set()  # process ids that drew this cache's figures
 
@@ -269,21 +269,28 @@ class FigureCache:
             self._key = (os.getpid(), next(_CACHE_IDS))
             _ACTIVE_CACHES.add(self)
         future = self._pool.submit("render", self._key, tag, build, update, layout)
-        self._pending.append((future, writer, tag, step, time.time(), build, update, layout))
+        self._pending.append((future, writer, tag, step, time.time(), time.monotonic(), build, update, layout))
         self._write_done(wait=False)
 
     def _write_done(self, wait: bool) -> None:
-        """Write the drawn images at the head of the queue; when ``wait``, all of them: once the figure process has
-        answered nothing for :data:`FIGURE_PATIENCE_S` (on a busy machine it gets almost no CPU), the rest are
-        drawn here."""
+        """Write the drawn images at the head of the queue; when ``wait``, all of them: a figure the figure process
+        has not drawn when it has answered nothing for :data:`FIGURE_PATIENCE_S` since the figure was asked for
+        (on a busy machine it gets almost no CPU) is drawn here, and so are the ones after it."""
         error = None
-        patience = FIGURE_PATIENCE_S
+        stalled = False
         while self._pending and (wait or self._pending[0][0].done()):
-            future, writer, tag, step, walltime, build, update, layout = self._pending.popleft()
+            future, writer, tag, step, walltime, asked, build, update, layout = self._pending.popleft()
             try:
-                png, built, pid = future.result(timeout=patience)
+                while not future.done() and not stalled:  # wait while the figure process answers
+                    since = max(asked, self._pool.last_answer if self._pool is not None else 0.0)
+                    try:
+                        future.result(timeout=max(since + FIGURE_PATIENCE_S - time.monotonic(), 0.0))
+                    except TimeoutError:
+                        stalled = self._pool is None or self._pool.last_answer <= since
+                if not future.done():
+                    raise TimeoutError
+                png, built, pid = future.result()
             except TimeoutError:  # (its late answer is ignored; its own copy of the figure stays up to date)
-                patience = 0.0
                 try:
                     png, built = self._store.render(tag, build, update, layout)
                 except Exception as exc:  # noqa: BLE001
