@@ -185,6 +185,7 @@ def test_confusion_matrix_update_rewrites_the_counts(tmp_path):
     assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
     fig = cache._store.figures["val/confusion_matrix"].canvas.figure
     assert [t.get_text() for t in fig.axes[0].texts] == ["10", "0", "3", "1.23e+03"]
+    assert [t.get_color() for t in fig.axes[0].texts] == ["k", "k", "k", "w"]  # readable on light and dark cells
 
 
 @pytest.mark.slow

@@ -95,13 +95,21 @@ def heatmap_figure(
     if annotate:
         for r in range(rows):
             for c in range(cols):
-                ax.text(c, r, f"{data[r, c]:.3g}", ha="center", va="center", fontsize=7, color="w")
+                ax.text(c, r, f"{data[r, c]:.3g}", ha="center", va="center", fontsize=7, color=_text_color(im, data[r, c]))
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     _layout_for_any_values(fig, cbar)
     redrawn(fig, im, *ax.spines.values(), *ax.texts, ax.title, cbar.ax)  # the rest stays: see FigureStore
     return fig
+
+
+def _text_color(im, value: float) -> str:
+    """White on the dark half of the colour map, black on the light half (a cell's count stays readable)."""
+    if not np.isfinite(value):
+        return "k"
+    red, green, blue, _ = im.cmap(im.norm(value))
+    return "w" if 0.299 * red + 0.587 * green + 0.114 * blue < 0.5 else "k"
 
 
 def _colorbar_formatter():
@@ -133,6 +141,7 @@ def update_heatmap(fig, matrix: Any, *, title: str = "", vmin: float | None = No
     im.set_clim(masked.min() if vmin is None else vmin, masked.max() if vmax is None else vmax)
     for text, value in zip(ax.texts, data.ravel()):  # annotate=True: one text per cell, row by row
         text.set_text(f"{value:.3g}")
+        text.set_color(_text_color(im, value))
     ax.set_title(title, fontsize=9)  # (the layout holds for any values: see _layout_for_any_values)
 
 
