@@ -248,6 +248,11 @@ def test_the_figure_process_priority_and_a_figure_process_that_dies():
     assert fine.result(timeout=60)[0].startswith(b"\x89PNG")
     if hasattr(os, "SCHED_IDLE"):  # Linux: it draws with the cycles nothing else wants
         assert os.sched_getscheduler(process._proc.pid) == os.SCHED_IDLE
+    import signal
+
+    os.kill(process._proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the training process decides, not the figure process
+    again = process.submit("render", "cache", "fine", partial(new_figure, (1, 1)), _no_update, None)
+    assert again.result(timeout=60)[0].startswith(b"\x89PNG")
     dead = process.submit("render", "cache", "dies", partial(os._exit, 3), _no_update, None)
     with pytest.raises(RuntimeError, match=r"figure process ended \(exit code 3\)"):
         dead.result(timeout=60)

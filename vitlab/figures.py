@@ -353,7 +353,11 @@ _STORES: dict[Any, FigureStore] = {}  # in the figure process: one store per cac
 def _process_init() -> None:
     """The figure process draws with the cycles training leaves: Linux's ``SCHED_IDLE`` policy (it runs only when
     no other task wants a core), else the largest nice value. On a busy machine it may barely run: a flush that
-    waits too long draws the rest in the training process (see ``vitlab.tblog.FigureCache``)."""
+    waits too long draws the rest in the training process (see ``vitlab.tblog.FigureCache``). Ctrl-C in a
+    terminal reaches the whole process group: the training process handles it (and ends this one when done)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return
