@@ -34,16 +34,20 @@ def _images(log_dir) -> dict[tuple[str, int], bytes]:
     return {(tag, event.step): event.encoded_image_string for tag in acc.Tags()["images"] for event in acc.Images(tag)}
 
 
-def _report(log_dir, cache: FigureCache | None) -> dict[tuple[str, int], bytes]:
+def _write_reports(writer, cache: FigureCache | None) -> None:
     """Three epochs of drift and spectra reports whose values (and colour ranges) change from epoch to epoch."""
     ref = _state(0)
-    writer = SummaryWriter(str(log_dir))
     prev = ref
     for step in (1, 2, 3):
         cur = {k: v + torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) * 0.3 * step for k, v in ref.items()}
         report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
         report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
         prev = cur
+
+
+def _report(log_dir, cache: FigureCache | None) -> dict[tuple[str, int], bytes]:
+    writer = SummaryWriter(str(log_dir))
+    _write_reports(writer, cache)
     writer.close()
     return _images(log_dir)
 
@@ -91,13 +95,8 @@ def test_background_drawing_writes_the_same_images_in_order_and_reports_errors(t
     monkeypatch.setattr(tblog, "FIGURE_PATIENCE_S", 120.0)  # (unpickling this module's builders imports torch there)
     fresh = _report(tmp_path / "fresh", None)
     cache = FigureCache(background=True)
-    ref, writer = _state(0), SummaryWriter(str(tmp_path / "background"))
-    prev = ref
-    for step in (1, 2, 3):
-        cur = {k: v + torch.randn(v.shape, generator=torch.Generator().manual_seed(step)) * 0.3 * step for k, v in ref.items()}
-        report_drift(writer, ref, cur, prev, HEADS, step, figure_cache=cache)
-        report_spectra(writer, block_spectra(_state(10 + step, scale=step), HEADS), step, figure_cache=cache)
-        prev = cur
+    writer = SummaryWriter(str(tmp_path / "background"))
+    _write_reports(writer, cache)  # returns at once: the figure process draws
     other = FigureCache(background=True)  # another callback's cache, cleared after this one
     other_writer = SummaryWriter(str(tmp_path / "other"))
     other.add(other_writer, "other", 1, partial(_pid_figure, str(tmp_path / "pid")), _no_update)
