@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 from vitlab.callbacks.drift import report_drift
 from vitlab.callbacks.spectra import block_spectra, report_spectra
 import vitlab.tblog as tblog
-from vitlab.figures import new_figure
+from vitlab.figures import new_figure, stage_curves_figure, stage_curves_update
 from vitlab.tblog import CONFUSION_TITLE, FigureCache, confusion_matrix_figure, heatmap_figure, log_figure, update_heatmap
 
 HEADS = {"stage0.block0": 2, "stage1.block0": 4}
@@ -155,6 +155,43 @@ def test_updated_heatmap_equals_a_new_one(tmp_path, annotate):
     assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
 
 
+def test_a_stage_figure_redraws_its_axes_only_when_their_round_limits_change(tmp_path):
+    """Spectra stage curves: updates within the figure's round y limits redraw the curves over the kept axes,
+    updates beyond them redraw the axes too; every image is pixel for pixel a new figure's (TensorBoard's own
+    encoding), and the limits end on ticks, at 0 for the antisymmetric lambdas and 1 for the singular values."""
+    gen = torch.Generator().manual_seed(11)
+
+    def curves(scale: float, noise: float) -> dict:
+        base = torch.Generator().manual_seed(3)
+        out = {}
+        for b in range(3):
+            sym, asym, sv = torch.randn(24, generator=base), torch.rand(12, generator=base) + 0.1, torch.rand(24, generator=base) + 0.05
+            sym = sym * scale + noise * torch.randn(24, generator=gen)
+            out[f"stage0.block{b}"] = tuple(t.sort(descending=True).values.numpy() for t in (sym, asym * scale, sv))
+        return out
+
+    sequence = [curves(1.0, 0.0), curves(1.0, 0.01), curves(1.0, 0.02), curves(4.0, 0.0), curves(4.0, 0.01)]
+    writers = {name: SummaryWriter(str(tmp_path / name)) for name in ("fresh", "reused")}
+    cache = FigureCache()
+    backgrounds = []
+    for step, values in enumerate(sequence):
+        writers["fresh"].add_figure("stage", stage_curves_figure("stage0", values), step)
+        log_figure(writers["reused"], "stage", step, partial(stage_curves_figure, "stage0", values), partial(stage_curves_update, values), cache)
+        kept = cache._store.figures["stage"]
+        backgrounds.append(kept.backgrounds)
+    limits = [ax.get_ylim() for ax in kept.canvas.figure.axes]
+    for writer in writers.values():
+        writer.close()
+    fresh = _images(tmp_path / "fresh")
+    assert _images(tmp_path / "reused") == fresh
+    assert len(set(fresh.values())) == len(sequence)  # every update changed the image
+    assert backgrounds == [1, 1, 1, 2, 2]  # axes redrawn for the first image and when the scale grew 4x
+    assert limits[1][0] == 0.0 and limits[2][1] == 1.0
+    for ax, (low, high) in zip(kept.canvas.figure.axes, limits):
+        ticks = ax.get_yticks()
+        assert min(abs(ticks - low)) < 1e-9 * max(1.0, abs(low)) and min(abs(ticks - high)) < 1e-9 * max(1.0, abs(high))
+
+
 def test_a_different_layout_builds_a_new_figure(tmp_path):
     cache = FigureCache()
     writer = SummaryWriter(str(tmp_path))
@@ -212,6 +249,37 @@ def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp
     for tag in stage_tags:
         assert len(acc.Images(tag)) == 4, tag  # and the spectra at fit start too
     assert len(acc.Images("val/confusion_matrix")) == 3
+
+
+def test_a_training_run_starts_one_warmed_up_figure_process_before_its_set_up_and_ends_it(tiny_dataset, tmp_path, monkeypatch, capsys):
+    """``vitlab.cli.fit`` starts the figure process before the model and data are set up (its imports, fonts and
+    first figures then take a core the set-up leaves idle, not one training needs); the callbacks draw in that
+    process, and it ends with the run. ``--help`` starts none."""
+    import vitlab.figures as figures
+    from tests.test_train_e2e import tiny_args
+    from vitlab.cli import fit
+
+    started = []
+
+    class Recording(figures.FigureProcess):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+            started.append(self)
+
+        def submit(self, call, *args):
+            self.calls.append(call)
+            return super().submit(call, *args)
+
+    monkeypatch.setattr(figures, "FigureProcess", Recording)
+    cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=1))
+    assert len(started) == 1
+    assert started[0].calls[0] == "warm_up" and started[0].calls.count("render") == len(_images(cli.trainer.log_dir))
+    assert tblog._FIGURE_PROCESS["pool"] is None and started[0]._proc.wait(timeout=30) is not None  # ended with the run
+    with pytest.raises(SystemExit):
+        fit(["--help"])
+    assert len(started) == 1
+    capsys.readouterr()
 
 
 def test_a_training_script_without_a_main_guard_runs_once(tiny_dataset, tmp_path):

@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 
 import cv2
 import pytest
@@ -39,6 +40,7 @@ def test_loader_workers_within_the_cores_and_none_beside_cpu_training_on_two(req
 def test_busy_cores_is_the_busy_share_of_this_process_cores_over_the_window(fresh_sample, monkeypatch):
     samples = iter([(1000.0, 5000.0), (1150.0, 5200.0)])  # 150 of 200 jiffies busy
     monkeypatch.setattr(threads, "_cpu_times", lambda cpus: next(samples))
+    monkeypatch.setattr(threads, "_idle_policy_ticks", lambda: 0.0)
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
     assert threads.busy_cores(window_s=0.0) == pytest.approx(2 * 150 / 200)
     assert threads.busy_cores(window_s=0.0) == pytest.approx(1.5)  # reused within max_age_s: no new sample
@@ -54,6 +56,25 @@ def test_busy_cores_sees_a_process_spinning_on_one_of_the_cores(fresh_sample):
     finally:
         spinner.kill()
         spinner.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policy")
+def test_busy_cores_leaves_out_idle_priority_processes(fresh_sample):
+    """An idle-priority process (vitlab's figure process warming up as a run starts) takes no core from torch:
+    the sample does not count it (it counted a whole core, and the quickstart then trained on one thread)."""
+    idle = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True: pass"])
+    try:
+        time.sleep(0.3)  # spinning under its policy
+        assert threads._sample_busy(0.5) < 0.3
+        normal = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            assert threads._sample_busy(0.5) >= 0.5  # the normal one still counts beside it
+        finally:
+            normal.kill()
+            normal.wait()
+    finally:
+        idle.kill()
+        idle.wait()
 
 
 @pytest.mark.parametrize("busy, expected", [(0.2, 2), (0.6, 1), (1.4, 1), (2.0, 1)])

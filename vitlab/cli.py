@@ -148,6 +148,11 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     cli_support.quiet_output()
     task = _task_of(args)
     model_class, data_class, _ = TASKS[task]
+    with cli_support.figures_ready(args):
+        return _fit(task, model_class, data_class, args)
+
+
+def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[str, Any] | None) -> VitlabCLI:
     cli = VitlabCLI(
         model_class,
         data_class,

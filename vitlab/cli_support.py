@@ -243,6 +243,19 @@ def remove_stub_run(log_dir: Path | None, existed: bool, global_step: int) -> No
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
+def figures_ready(args: Any) -> contextlib.AbstractContextManager:
+    """``vitlab.tblog.figure_process_ready()`` for a training run that will draw figures: not for ``--help`` or
+    ``--print_config``, nor on a rank other than 0 of a multi-process run (only rank 0 writes TensorBoard)."""
+    argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+    if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
+        return contextlib.nullcontext()
+    if any(os.environ.get(name, "0") not in ("", "0") for name in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+        return contextlib.nullcontext()
+    from vitlab.tblog import figure_process_ready
+
+    return figure_process_ready()
+
+
 @contextlib.contextmanager
 def frozen_heap():
     """Keep the objects alive before a fit out of Python's full garbage collections during it.

@@ -57,6 +57,12 @@ def redrawn(fig, *artists):
     return artists[0] if artists else None
 
 
+def static_parts_depend_on(fig, key: Any) -> None:
+    """The parts of ``fig`` not marked :func:`redrawn` (axes, ticks, labels) depend on ``key`` (e.g. axis limits):
+    a :class:`FigureStore` draws them again when it changes, else only the redrawn artists."""
+    fig.__dict__["_vitlab_static_key"] = key
+
+
 # ---------------------------------------------------------------------------------------------------- heatmaps
 def heatmap_figure(
     matrix: Any,
@@ -224,7 +230,8 @@ def stage_curves_figure(stage: str, curves: dict[str, tuple[np.ndarray, np.ndarr
     """Seed 002's Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values.
 
     ``curves``: block -> (eigenvalues of the symmetric part, lambda of the antisymmetric part's +-i lambda pairs,
-    singular values), of the head-summed W_Q W_K^T, each descending."""
+    singular values), of the head-summed W_Q W_K^T, each descending. The y ranges end on round values (ticks;
+    decades on the log axis), so an update whose values stay within them redraws the curves only."""
     fig = new_figure((12, 3.4))
     axes = fig.subplots(1, 3)
     colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, max(len(curves), 1)))
@@ -232,18 +239,37 @@ def stage_curves_figure(stage: str, curves: dict[str, tuple[np.ndarray, np.ndarr
         label = block.split(".", 1)[1]
         sym, asym, sv = as_array(sym), as_array(asym), as_array(sv)
         axes[0].plot(np.arange(1, len(sym) + 1), sym, color=color, label=label, lw=1.2)
-        axes[1].plot(np.arange(1, len(asym) + 1), asym, color=color, lw=1.2)
-        axes[2].semilogy(np.arange(1, len(sv) + 1), sv / max(sv[0], 1e-30), color=color, lw=1.2)
+        axes[1].plot(np.arange(1, len(asym) + 1), asym, color=color, lw=1.2)[0].sticky_edges.y.append(0.0)  # lambda >= 0
+        axes[2].semilogy(np.arange(1, len(sv) + 1), sv / max(sv[0], 1e-30), color=color, lw=1.2)[0].sticky_edges.y.append(1.0)
     axes[0].axhline(0.0, color="k", lw=0.6)
     axes[0].set_title("eigenvalues of sym. part (W_Q W_K^T)", fontsize=9)
     axes[1].set_title("antisym. part: lambda of +-i lambda pairs", fontsize=9)
     axes[2].set_title("singular values / largest", fontsize=9)
     for ax in axes:
         ax.set_xlabel("index")
-    axes[0].legend(fontsize=7, ncol=2)
+    legend = axes[0].legend(fontsize=7, ncol=2, loc="upper right")  # fixed: "best" follows the curves
     fig.suptitle(f"{stage}: QK bilinear form, heads summed", fontsize=10)
     fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.82, wspace=0.22)  # tight_layout costs ~0.4 s
+    _round_y_limits(fig)
+    for ax in axes:  # in drawing order: curves (and the zero line) under the spines, the legend on top
+        redrawn(fig, *ax.lines, *ax.spines.values())
+    redrawn(fig, legend)
     return fig
+
+
+def _round_y_limits(fig) -> None:
+    """y limits of a stage figure's three axes: the data's range with a 5 % margin, widened to the next ticks
+    (matplotlib's ``round_numbers`` mode; whole decades on the log axis), not past 0 for the antisymmetric part's
+    lambda nor past 1 for the singular values / largest (the curves' sticky edges). Its static parts depend on
+    them."""
+    axes = fig.axes[:3]
+    for ax in axes:
+        ax.viewLim  # noqa: B018  (the autoscaling plot() asked for, done now in the default mode: x limits)
+    with matplotlib.rc_context({"axes.autolimit_mode": "round_numbers"}):
+        for ax in axes:
+            ax.relim()
+            ax.autoscale_view(scalex=False)  # done at once (not when drawn, outside this mode)
+    static_parts_depend_on(fig, tuple(ax.get_ylim() for ax in axes))
 
 
 def update_stage_curves_figure(fig, curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
@@ -255,9 +281,7 @@ def update_stage_curves_figure(fig, curves: dict[str, tuple[np.ndarray, np.ndarr
             if ax is axes[2]:
                 y = y / max(y[0], 1e-30)
             ax.lines[i].set_ydata(y)
-    for ax in axes:
-        ax.relim()
-        ax.autoscale_view()
+    _round_y_limits(fig)
 
 
 def stage_curves_update(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], fig) -> None:
@@ -269,12 +293,14 @@ def stage_curves_update(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarr
 class _Kept:
     """A kept figure: its canvas, the layout it was built for, its redrawn artists and static background."""
 
-    __slots__ = ("canvas", "layout", "animated", "background")
+    __slots__ = ("canvas", "layout", "animated", "background", "static_key", "backgrounds")
 
     def __init__(self, canvas, layout: Any) -> None:
         self.canvas, self.layout = canvas, layout
         self.animated = list(canvas.figure.__dict__.get("_vitlab_redrawn", ()))  # see redrawn()
         self.background = None
+        self.static_key = None  # see static_parts_depend_on()
+        self.backgrounds = 0  # how many times the static background was drawn
 
 
 class FigureStore:
@@ -312,7 +338,8 @@ def _draw(kept: _Kept) -> None:
     if not kept.animated:
         canvas.draw()  # what add_figure does, on a new canvas each time
         return
-    if kept.background is None:
+    static_key = fig.__dict__.get("_vitlab_static_key")
+    if kept.background is None or static_key != kept.static_key:
         from matplotlib.text import Text
 
         # left out of the background: texts drawn transparent (a hidden axes title has no extent, and the
@@ -325,6 +352,8 @@ def _draw(kept: _Kept) -> None:
             artist.set_visible(False)
         canvas.draw()
         kept.background = canvas.copy_from_bbox(fig.bbox)
+        kept.static_key = static_key
+        kept.backgrounds += 1
         for artist, alpha in texts:
             artist.set_alpha(alpha)
         for artist, shown in others:
@@ -378,7 +407,20 @@ def _process_forget(cache: Any) -> None:
     _STORES.pop(cache, None)
 
 
-_CALLS = {"render": _process_render, "forget": _process_forget}
+def _process_warm_up() -> None:
+    """Draw one figure of each kind once (fonts, text layout, colour bars, legends, log-axis labels, PNG
+    encoding: costs a process pays on its first figures), before any figure is asked for."""
+    values = np.linspace(0.0, 1.0, 16).reshape(2, 8)
+    store = FigureStore()
+    curves = {"stage0.block0": (values[0] - 0.5, values[1][:4], values[1] + 0.1)}
+    local = {"cosine_distance": [values, values, values]}
+    store.render("local", lambda: local_drift_figure("stage0.block0", local, 0), None)
+    store.render("stage", lambda: stage_curves_figure("stage0", curves), None)
+    store.render("heatmap", lambda: heatmap_figure(values, title="t", xlabel="x", ylabel="y", annotate=True,
+                                                   xticklabels=list("abcdefgh"), yticklabels=["a", "b"], colorbar_label="c"), None)
+
+
+_CALLS = {"render": _process_render, "forget": _process_forget, "warm_up": _process_warm_up}
 
 
 def _send(stream, message: Any) -> None:
@@ -434,7 +476,10 @@ class FigureProcess:
         from pathlib import Path
 
         package_root = str(Path(__file__).resolve().parents[1])  # vitlab importable in the child, installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
+               # one thread: numpy's BLAS threads would be made before this process lowers its priority (threads
+               # inherit it), at normal priority beside training, and figures need no parallel BLAS
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figures import serve; serve()"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ids = itertools.count()

@@ -73,7 +73,8 @@ _BUSY: list[float] = []  # [monotonic time, busy cores] of the last sample
 def busy_cores(window_s: float = 0.2, max_age_s: float = 60.0) -> float:
     """How many of this process's cores other processes keep busy, sampled over ``window_s`` (0.0 if unknown).
 
-    Called before training starts, while this process waits: what is busy is somebody else's work. A sample
+    Called before training starts, while this process waits: what is busy is somebody else's work, apart from
+    idle-priority processes (vitlab's figure process warming up beside it). A sample
     younger than ``max_age_s`` is reused (a process that fits several times, as the tests do, waits once).
     """
     if _BUSY and time.monotonic() - _BUSY[0] < max_age_s:
@@ -82,17 +83,34 @@ def busy_cores(window_s: float = 0.2, max_age_s: float = 60.0) -> float:
     return _BUSY[1]
 
 
+def _idle_policy_ticks() -> float:
+    """CPU time (jiffies, as ``/proc/stat``) of the processes running under Linux's ``SCHED_IDLE`` policy, such as
+    vitlab's figure process: they run only on cycles no other process wants, so they take no core from torch."""
+    ticks = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended meanwhile
+            continue
+        fields = text[text.rfind(")") + 2:].split()  # from field 3 (state) on: the name may hold spaces
+        if len(fields) > 38 and fields[38] == str(getattr(os, "SCHED_IDLE", 5)):  # field 41: policy
+            ticks += float(fields[11]) + float(fields[12])  # fields 14, 15: utime, stime
+    return ticks
+
+
 def _sample_busy(window_s: float) -> float:
     try:
         cpus = set(os.sched_getaffinity(0))
         busy0, total0 = _cpu_times(cpus)
+        idle0 = _idle_policy_ticks()
         time.sleep(window_s)
         busy1, total1 = _cpu_times(cpus)
+        idle1 = _idle_policy_ticks()
     except (AttributeError, OSError, ValueError):  # not Linux, or no /proc
         return 0.0
     if total1 <= total0:
         return 0.0
-    return len(cpus) * (busy1 - busy0) / (total1 - total0)
+    return max(0.0, len(cpus) * (busy1 - busy0 - (idle1 - idle0)) / (total1 - total0))
 
 
 def configure_threads(workers: int = 0) -> int:
