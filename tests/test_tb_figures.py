@@ -73,14 +73,51 @@ def test_spectra_heads_figure_has_blocks_heads_and_unit_colour_range():
         plt.close(f)
 
 
-def test_figures_are_drawn_about_six_times_per_run_and_at_both_ends():
+def test_figures_are_drawn_about_five_times_per_run_and_at_both_ends():
     from types import SimpleNamespace
 
     from vitlab.tblog import figures_due
 
     thirty = SimpleNamespace(max_epochs=30)
-    assert [e for e in range(31) if figures_due(thirty, e)] == [0, 1, 5, 10, 15, 20, 25, 30]
+    assert [e for e in range(31) if figures_due(thirty, e)] == [0, 1, 8, 16, 24, 30]
     assert [e for e in range(8) if figures_due(SimpleNamespace(max_epochs=7), e)] == [0, 1, 2, 4, 6, 7]
     assert [e for e in range(4) if figures_due(SimpleNamespace(max_epochs=3), e)] == [0, 1, 2, 3]
     assert [e for e in range(11) if figures_due(SimpleNamespace(max_epochs=10), e, every_n_epochs=4)] == [0, 1, 4, 8, 10]
     assert [e for e in range(6) if figures_due(SimpleNamespace(max_epochs=None), e)] == list(range(6))
+
+
+def test_add_scalars_writes_what_add_scalar_writes_in_one_event(tmp_path):
+    """The callbacks' scalars go out as one event per step: TensorBoard reads the same tags, steps and values as
+    from one ``add_scalar`` event each; a writer without a file writer gets ``add_scalar`` calls."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from vitlab.tblog import add_scalars
+
+    gen = torch.Generator().manual_seed(4)
+    values = {f"drift/m{i}/stage{j}.block0.q": float(torch.randn((), generator=gen)) for i in range(5) for j in range(3)}
+    values["spectra/effective_rank/stage0.block1"] = torch.tensor(3.25)  # a 0-d tensor, as float() takes it
+    values["nan"] = float("nan")
+    read = {}
+    for name in ("separate", "together"):
+        writer = SummaryWriter(str(tmp_path / name))
+        for step in (2, 5):
+            if name == "separate":
+                for tag, value in values.items():
+                    writer.add_scalar(tag, value, step)
+            else:
+                add_scalars(writer, values, step)
+        writer.close()
+        acc = EventAccumulator(str(tmp_path / name), size_guidance={"scalars": 0})
+        acc.Reload()
+        read[name] = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert set(read["together"]) == set(values) and len(read["together"]["nan"]) == 2
+    np.testing.assert_equal(read["together"], read["separate"])  # (NaN equal to NaN)
+    calls = []
+
+    class Plain:
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, step))
+
+    add_scalars(Plain(), values, 7)
+    assert calls == [(tag, 7) for tag in values]

@@ -24,6 +24,7 @@ from vitlab.callbacks._state import (
 )
 from vitlab.tblog import (
     FigureCache,
+    add_scalars,
     epoch_end_step,
     figures_due,
     log_figure,
@@ -74,9 +75,7 @@ def extra_drift(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> d
 
 def _log_scalars(writer, sum_ref, sum_prev, step) -> None:
     metrics = DRIFT_METRICS + MATRIX_METRICS
-    for (block, m), values in sum_ref.items():
-        for name in metrics:
-            writer.add_scalar(f"drift/{name}/{block}.{m}", values[name], step)
+    scalars = {f"drift/{name}/{block}.{m}": values[name] for (block, m), values in sum_ref.items() for name in metrics}
     for prefix, summary in (("drift", sum_ref), ("drift_step", sum_prev)):
         if summary is None:
             continue
@@ -88,7 +87,8 @@ def _log_scalars(writer, sum_ref, sum_prev, step) -> None:
         for (name, stage, m), vals in by_stage.items():
             group = "global" if stage == "global" else "stage"
             tag = f"{prefix}_{group}/{name}/{m}" if stage == "global" else f"{prefix}_{group}/{name}/{stage}.{m}"
-            writer.add_scalar(tag, sum(vals) / len(vals), step)
+            scalars[tag] = sum(vals) / len(vals)
+    add_scalars(writer, scalars, step)
 
 
 def _log_extras(writer, extras: dict[str, float], step: int) -> None:
@@ -96,8 +96,7 @@ def _log_extras(writer, extras: dict[str, float], step: int) -> None:
     for key, value in extras.items():
         kind = key.split(".", 2)[2]  # q.bias / k.bias / v.bias / rel_pos_table
         by_kind[kind.replace(".", "_")].append(value)
-    for kind, vals in by_kind.items():
-        writer.add_scalar(f"drift_global/frobenius_change/{kind}", sum(vals) / len(vals), step)
+    add_scalars(writer, {f"drift_global/frobenius_change/{kind}": sum(vals) / len(vals) for kind, vals in by_kind.items()}, step)
 
 
 def _log_histograms(writer, rows_ref, step) -> None:
@@ -196,7 +195,7 @@ class QKVDrift(EpochCallback, pl.Callback):
         every_n_epochs: Compute after every N-th completed epoch.
         local_maps: Log the per-block heads x rows heatmaps.
         figures_every_n_epochs: Draw the images every N-th epoch (and the first and last); ``None``: about
-            6 per run. Scalars, histograms and tables are written every ``every_n_epochs``.
+            5 per run. Scalars, histograms and tables are written every ``every_n_epochs``.
         write_csv: Write the per-row CSV table.
     """
 

@@ -16,7 +16,7 @@ import torch
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import block_stage
 from vitlab.figures import heatmap_figure, heatmap_update, stage_curves_figure, stage_curves_update, update_stage_curves_figure
-from vitlab.tblog import FigureCache, log_figure, write_csv
+from vitlab.tblog import FigureCache, add_scalars, log_figure, write_csv
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -60,10 +60,12 @@ def report_spectra(
     """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV).
 
     ``figure_cache`` keeps the figures for the next report (see :class:`vitlab.tblog.FigureCache`)."""
+    scalars = {}
     for block, s in spectra.items():
         for name in SCALARS:
-            writer.add_scalar(f"spectra/{name}/{block}", float(getattr(s, name).float().mean()), step)
-            writer.add_scalar(f"spectra_summed/{name}/{block}", float(getattr(s.summed, name)[0]), step)
+            scalars[f"spectra/{name}/{block}"] = float(getattr(s, name).float().mean())
+            scalars[f"spectra_summed/{name}/{block}"] = float(getattr(s.summed, name)[0])
+    add_scalars(writer, scalars, step)
     if figures:
         by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
         for block, s in spectra.items():

@@ -27,7 +27,7 @@ class QKSpectra(EpochCallback, pl.Callback):
         every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
         write_csv: Write the per-head CSV table.
         figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
-            ``None``: about 6 per run.
+            ``None``: about 5 per run.
     """
 
     def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None) -> None:
