@@ -254,7 +254,8 @@ def test_a_fit_builds_each_figure_once_and_logs_it_every_epoch(tiny_dataset, tmp
 def test_a_training_run_starts_one_warmed_up_figure_process_before_its_set_up_and_ends_it(tiny_dataset, tmp_path, monkeypatch, capsys):
     """``vitlab.cli.fit`` starts the figure process before the model and data are set up (its imports, fonts and
     first figures then take a core the set-up leaves idle, not one training needs); the callbacks draw in that
-    process, and it ends with the run. ``--help`` starts none."""
+    process, which is paused during each training and validation step when torch's threads take every core, and
+    it ends with the run. ``--help`` starts none."""
     import vitlab.figures as figures
     from tests.test_train_e2e import tiny_args
     from vitlab.cli import fit
@@ -271,14 +272,38 @@ def test_a_training_run_starts_one_warmed_up_figure_process_before_its_set_up_an
             self.calls.append(call)
             return super().submit(call, *args)
 
+        def pause(self) -> None:
+            self.calls.append("pause")
+            super().pause()
+
+        def resume(self) -> None:
+            self.calls.append("resume")
+            super().resume()
+
     monkeypatch.setattr(figures, "FigureProcess", Recording)
-    cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=1))
+    import vitlab.threads
+
+    monkeypatch.setattr(vitlab.threads, "available_cores", lambda: 1)  # torch's threads take every core
+    cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=2))
     assert len(started) == 1
-    assert started[0].calls[0] == "warm_up" and started[0].calls.count("render") == len(_images(cli.trainer.log_dir))
+    calls = started[0].calls
+    assert calls[0] == "warm_up" and calls.count("render") == len(_images(cli.trainer.log_dir))
+    steps = cli.trainer.global_step + 2 * sum(cli.trainer.num_val_batches)  # training and validation steps
+    assert calls.count("pause") == steps > 0 and calls.count("resume") >= steps  # stopped during every step (flushes resume)
+    assert [c for c in calls if c in ("pause", "resume")][:4] == ["pause", "resume", "pause", "resume"]
+    assert not started[0].paused
+    monkeypatch.setattr(vitlab.threads, "available_cores", lambda: 64)  # cores to spare: it draws beside the steps
+    monkeypatch.setenv("VITLAB_THREADS", "1")
+    threads = torch.get_num_threads()
+    try:
+        fit(tiny_args(tiny_dataset, tmp_path / "spare", epochs=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(started) == 2 and "pause" not in started[1].calls
     assert tblog._FIGURE_PROCESS["pool"] is None and started[0]._proc.wait(timeout=30) is not None  # ended with the run
     with pytest.raises(SystemExit):
         fit(["--help"])
-    assert len(started) == 1
+    assert len(started) == 2
     capsys.readouterr()
 
 
@@ -324,6 +349,70 @@ def test_the_figure_process_priority_and_a_figure_process_that_dies():
     with pytest.raises(RuntimeError, match=r"figure process ended \(exit code 3\)"):
         dead.result(timeout=60)
     process.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGSTOP"), reason="POSIX signals")
+def test_a_paused_figure_process_draws_nothing_until_resumed_and_a_flush_resumes_it(tmp_path, monkeypatch):
+    from vitlab.figures import FigureProcess
+
+    monkeypatch.setattr(tblog, "FIGURE_PATIENCE_S", 60.0)  # (an idle-priority process starts slowly on a busy machine)
+
+    process = FigureProcess()
+    assert process.submit("render", "cache", "warm", partial(new_figure, (1, 1)), _no_update, None).result(timeout=60)
+    process.pause()
+    waiting = process.submit("render", "cache", "later", partial(new_figure, (1, 1)), _no_update, None)
+    time.sleep(1.0)
+    assert not waiting.done()  # stopped
+    process.resume()
+    assert waiting.result(timeout=60)[0].startswith(b"\x89PNG")
+    process.shutdown()
+
+    cache = FigureCache(background=True)
+    writer = SummaryWriter(str(tmp_path))
+    log_figure(writer, "first", 1, partial(new_figure, (1, 1)), _no_update, cache)  # starts the shared process
+    cache.flush()
+    tblog.pause_figures()
+    assert tblog._FIGURE_PROCESS["pool"].paused
+    log_figure(writer, "second", 1, partial(new_figure, (1, 1)), _no_update, cache)
+    cache.flush()  # resumes it: drawn there, not taken over by this process after the patience time
+    assert not tblog._FIGURE_PROCESS["pool"].paused and cache.drawn_by and os.getpid() not in cache.drawn_by
+    cache.clear()
+    writer.close()
+    assert set(tag for tag, _ in _images(tmp_path)) == {"first", "second"}
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_a_paused_figure_process_ends_with_a_killed_training_process():
+    """A training process killed (SIGKILL) while its figure process is paused: the stopped child would never read
+    the end of its input; the kernel kills it with its parent."""
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import os, sys\nfrom vitlab.figures import FigureProcess\np = FigureProcess()\n"
+            "p.submit('warm_up').result(timeout=60)\np.pause()\nprint(p._proc.pid, flush=True)\nsys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "T":  # stopped (the signal is asynchronous)
+        assert time.monotonic() < deadline, "the figure process was not stopped"
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split(") ")[1][0]
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        if state in "ZX":  # dead, not yet reaped by whichever process adopted it
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the paused figure process outlived its killed parent")
 
 
 def test_a_flush_draws_what_the_figure_process_has_not_drawn_in_time(tmp_path, monkeypatch):

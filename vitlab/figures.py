@@ -387,6 +387,7 @@ def _process_init() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with_parent()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return
@@ -396,6 +397,24 @@ def _process_init() -> None:
         os.nice(19)
     except (AttributeError, OSError):
         pass
+
+
+def _end_with_parent() -> None:
+    """Linux: the kernel kills this process when the training process ends, even a stopped one (see
+    :meth:`FigureProcess.pause`), which would never read the end of its input: a training run killed with
+    SIGKILL while its figure process was paused left it behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("VITLAB_FIGURE_PARENT")
+    if parent and os.getppid() != int(parent):  # it ended before the line above
+        os._exit(0)
 
 
 def _process_render(cache: Any, tag: str, build, update, layout: Any) -> tuple[bytes, bool, int]:
@@ -479,10 +498,13 @@ class FigureProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
                # one thread: numpy's BLAS threads would be made before this process lowers its priority (threads
                # inherit it), at normal priority beside training, and figures need no parallel BLAS
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "VITLAB_FIGURE_PARENT": str(os.getpid())}
         self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figures import serve; serve()"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._ids = itertools.count()
+        self.paused = False
+        self.resumed = 0.0  # time.monotonic() of the last resume()
         self.last_answer = 0.0  # time.monotonic() of the child's last answer
         self._futures: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -535,6 +557,31 @@ class FigureProcess:
             future = self._futures.pop(job, None)
         if future is not None:
             future.set_exception(RuntimeError(f"could not send a figure to vitlab's figure process: {type(exc).__name__}: {exc}"))
+
+    def pause(self) -> None:
+        """Stop the child (``SIGSTOP``) until :meth:`resume`: the training process pauses it during its steps.
+
+        At idle priority it still cost the steps about 1.5 s of the quickstart's 24 s fit (each time a torch
+        thread waited for its core back, and in the caches it left cold); stopped during the steps, it draws
+        between them (loading the next batch, logging, validation, epoch ends). No-op where there is no
+        ``SIGSTOP`` (Windows)."""
+        import signal
+
+        if not self.paused and hasattr(signal, "SIGSTOP") and self._proc.poll() is None:
+            self.paused = True
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused child run again (``SIGCONT``)."""
+        import signal
+
+        if self.paused:
+            self.paused = False
+            self.resumed = time.monotonic()
+            try:
+                os.kill(self._proc.pid, signal.SIGCONT)
+            except OSError:  # it has ended
+                pass
 
     def shutdown(self) -> None:
         """End the child now. Its caller has every image it waits for (written, or drawn in the training process

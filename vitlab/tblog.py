@@ -239,6 +239,20 @@ def figure_process_ready() -> Iterator[None]:
         _figure_process_stopped()
 
 
+def pause_figures() -> None:
+    """Stop the figure process, if one runs, until :func:`resume_figures` (see ``FigureProcess.pause``); every
+    wait for figures resumes it first."""
+    pool = _FIGURE_PROCESS["pool"]
+    if pool is not None:
+        pool.pause()
+
+
+def resume_figures() -> None:
+    pool = _FIGURE_PROCESS["pool"]
+    if pool is not None:
+        pool.resume()
+
+
 def flush_figures() -> None:
     """Write every image of every cache that was handed to the figure process so far (as ``writer.flush()``
     waits for the events queued so far). Images still being drawn when a process is killed are lost, like
@@ -293,14 +307,15 @@ class FigureCache:
     def _write_done(self, wait: bool) -> None:
         """Write the drawn images at the head of the queue; when ``wait``, all of them: a figure the figure process
         has not drawn when it has answered nothing for :data:`FIGURE_PATIENCE_S` since the figure was asked for
-        (on a busy machine it gets almost no CPU) is drawn here, and so are the ones after it."""
+        and since it was last resumed (on a busy machine it gets almost no CPU) is drawn here, and so are the
+        ones after it."""
         error = None
         stalled = False
         while self._pending and (wait or self._pending[0][0].done()):
             future, writer, tag, step, walltime, asked, build, update, layout = self._pending.popleft()
             try:
                 while not future.done() and not stalled:  # wait while the figure process answers
-                    since = max(asked, self._pool.last_answer if self._pool is not None else 0.0)
+                    since = max(asked, self._pool.last_answer, self._pool.resumed) if self._pool is not None else asked
                     try:
                         future.result(timeout=max(since + FIGURE_PATIENCE_S - time.monotonic(), 0.0))
                     except TimeoutError:
@@ -331,6 +346,8 @@ class FigureCache:
 
     def flush(self) -> None:
         """Wait until every image added is written; raise the first error a figure met."""
+        if self._pool is not None:
+            self._pool.resume()  # (paused during training steps)
         self._write_done(wait=True)
 
     def clear(self) -> None:

@@ -64,6 +64,35 @@ class TaskModule(pl.LightningModule):
             best = self.best_val.get(name)
             self.best_val[name] = value if best is None else max(best, value)
 
+    def on_train_start(self) -> None:
+        """Whether the figure process is paused during each training and validation step: when the run trains on
+        the CPU and torch's threads and the loader workers take every core (a 2-core machine; not beside a GPU,
+        where the CPU has cores to spare). Between the steps it draws while the next batch loads, and at epoch
+        ends and checkpoints; every wait for figures resumes it. Drawing beside the steps at idle priority, it
+        still cost the quickstart's steps about 1.5 s of a 24 s fit."""
+        from vitlab.threads import available_cores
+
+        workers = getattr(getattr(self.trainer, "datamodule", None), "worker_processes", 0) or 0
+        self._pause_figures = self.device.type == "cpu" and torch.get_num_threads() + workers >= available_cores()
+
+    def _figures_paused(self, paused: bool) -> None:
+        if getattr(self, "_pause_figures", False):
+            from vitlab.tblog import pause_figures, resume_figures
+
+            pause_figures() if paused else resume_figures()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._figures_paused(True)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._figures_paused(False)
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._figures_paused(True)
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._figures_paused(False)
+
     def on_fit_end(self) -> None:
         """Log hyperparameters together with the best validation metrics (no placeholder ``hp_metric``)."""
         if not self.best_val:
