@@ -399,6 +399,9 @@ def _process_init() -> None:
         pass
 
 
+_PAUSABLE = sys.platform.startswith("linux")  # FigureProcess.pause: SIGSTOP, and the parent-death signal
+
+
 def _end_with_parent() -> None:
     """Linux: the kernel kills this process when the training process ends, even a stopped one (see
     :meth:`FigureProcess.pause`), which would never read the end of its input: a training run killed with
@@ -563,11 +566,12 @@ class FigureProcess:
 
         At idle priority it still cost the steps about 1.5 s of the quickstart's 24 s fit (each time a torch
         thread waited for its core back, and in the caches it left cold); stopped during the steps, it draws
-        between them (loading the next batch, logging, validation, epoch ends). No-op where there is no
-        ``SIGSTOP`` (Windows)."""
+        between them (loading the next batch, logging, epoch ends, checkpoints).
+        Linux only, where the child dies with its parent (see :func:`_end_with_parent`): elsewhere a stopped child
+        of a killed training process would be left behind."""
         import signal
 
-        if not self.paused and hasattr(signal, "SIGSTOP") and self._proc.poll() is None:
+        if not self.paused and _PAUSABLE and self._proc.poll() is None:
             self.paused = True
             os.kill(self._proc.pid, signal.SIGSTOP)
 
