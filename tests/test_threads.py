@@ -58,23 +58,42 @@ def test_busy_cores_sees_a_process_spinning_on_one_of_the_cores(fresh_sample):
         spinner.wait()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policy")
-def test_busy_cores_leaves_out_idle_priority_processes(fresh_sample):
+def test_busy_cores_leaves_out_idle_priority_processes(fresh_sample, monkeypatch):
     """An idle-priority process (vitlab's figure process warming up as a run starts) takes no core from torch:
-    the sample does not count it (it counted a whole core, and the quickstart then trained on one thread)."""
+    its CPU time is taken out of the busy share (it counted a whole core, and the quickstart trained on one thread)."""
+    samples = iter([(1000.0, 5000.0), (1150.0, 5200.0)])  # 150 of 200 jiffies busy ...
+    idle = iter([300.0, 400.0])  # ... 100 of them by idle-priority processes
+    monkeypatch.setattr(threads, "_cpu_times", lambda cpus: next(samples))
+    monkeypatch.setattr(threads, "_idle_policy_ticks", lambda: next(idle))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert threads.busy_cores(window_s=0.0) == pytest.approx(2 * (150 - 100) / 200)
+
+
+def _ticks(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return float(fields[11]) + float(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.exists("/proc/self/stat"), reason="Linux")
+def test_idle_policy_ticks_count_idle_priority_processes_only():
+    """Read from /proc: a SCHED_IDLE spinner's CPU time is in the sum, a normal spinner's is not."""
     idle = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True: pass"])
+    normal = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.3)  # spinning under its policy
-        assert threads._sample_busy(0.5) < 0.3
-        normal = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            assert threads._sample_busy(0.5) >= 0.5  # the normal one still counts beside it
-        finally:
-            normal.kill()
-            normal.wait()
+        deadline = time.monotonic() + 30
+        while _ticks(idle.pid) < 5 or _ticks(normal.pid) < 50:  # both have run (the idle one when a core was free)
+            if time.monotonic() > deadline:
+                pytest.skip("the machine is too busy for an idle-priority process to run")
+            time.sleep(0.1)
+        before = _ticks(idle.pid)
+        total = threads._idle_policy_ticks()
+        after, normal_ticks = _ticks(idle.pid), _ticks(normal.pid)
+        assert total >= before  # the idle spinner is counted ...
+        assert total - after < normal_ticks  # ... the normal one is not (other idle processes apart)
     finally:
-        idle.kill()
-        idle.wait()
+        for proc in (idle, normal):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("busy, expected", [(0.2, 2), (0.6, 1), (1.4, 1), (2.0, 1)])
