@@ -123,6 +123,46 @@ def test_multicrop_view_sizes_and_boxes():
         MultiCrop(global_scale=(0.0, 1.0))
 
 
+def test_multicrop_intensity_changes_per_sample():
+    """Flip, blur, contrast / brightness and noise act on each sample as documented, and only on the samples drawn."""
+    from torchvision.transforms.v2.functional import gaussian_blur
+
+    g = torch.Generator().manual_seed(4)
+    images = torch.rand(24, 1, 20, 20, generator=g)
+    whole = dict(global_size=20, local_crops=0, global_scale=(1.0, 1.0), ratio=(1.0, 1.0), contrast=0.0, noise=0.0, flip=False)
+    # a full-image crop at the same size samples every pixel centre: the identity (bilinear weights of 0 / 1)
+    assert torch.allclose(MultiCrop(**whole).view(images, 20, (1.0, 1.0), 0.0), images, atol=1e-5)
+
+    flipped = MultiCrop(**{**whole, "flip": True, "contrast": 0.25}).view(images, 20, (1.0, 1.0), 0.0, generator=g)
+    kinds = []
+    for x, y in zip(images, flipped):  # y = gain * (x' - mean) + mean + shift, x' = x or its mirror image
+        fits = []
+        for candidate in (x, x.flip(-1)):
+            design = torch.stack([candidate.flatten(), torch.ones(candidate.numel())], dim=1).double()
+            coef = torch.linalg.lstsq(design, y.flatten().double()[:, None]).solution.flatten()
+            fits.append(((design @ coef - y.flatten().double()).abs().max().item(), coef))
+        kind = min((0, 1), key=lambda i: fits[i][0])
+        residual, (gain, offset) = fits[kind]
+        assert residual < 1e-5
+        assert 0.75 - 1e-6 <= gain <= 1.25 + 1e-6
+        shift = offset - (1 - gain) * x.mean().double()
+        assert abs(shift) <= 0.25 + 1e-5
+        kinds.append(kind)
+    assert 0 < sum(kinds) < len(kinds)  # some samples flipped, some not
+
+    sigma = 1.2
+    kernel = 2 * math.ceil(2 * sigma) + 1
+    blurred = gaussian_blur(images, [kernel, kernel], [sigma, sigma])
+    some = MultiCrop(**{**whole, "blur_sigma": (sigma, sigma)}).view(images, 20, (1.0, 1.0), 0.5, generator=g)
+    hit = [torch.allclose(y, b, atol=1e-5) for y, b in zip(some, blurred)]
+    miss = [torch.allclose(y, x, atol=1e-5) for y, x in zip(some, images)]
+    assert all(h != m for h, m in zip(hit, miss)) and 0 < sum(hit) < len(hit)  # each sample blurred or untouched
+
+    noisy = MultiCrop(**{**whole, "noise": 0.1}).view(images, 20, (1.0, 1.0), 0.0, generator=g)
+    std = (noisy - images).flatten(1).std(dim=1)
+    assert (std > 0).all() and (std < 0.1 * 1.3).all() and std.max() > 0.05  # per-sample std drawn from [0, noise]
+
+
 def test_weighted_knn_against_loop():
     g = torch.Generator().manual_seed(2)
     train_x, test_x = torch.randn(30, 5, generator=g), torch.randn(7, 5, generator=g)

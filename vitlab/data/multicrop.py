@@ -78,6 +78,7 @@ class MultiCrop:
         out = roi_align(images, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
         # (sampling_ratio -1: torchvision's adaptive ceil(crop / view) samples per output pixel: an area average when
         # a view shrinks its crop, one bilinear sample when it enlarges it)
+        # (per-sample choices by torch.where, not by indexing: no host synchronisation on an accelerator)
         if self.flip:
             flip = torch.rand(b, device=dev, generator=generator) < 0.5
             out = torch.where(flip[:, None, None, None], out.flip(-1), out)
@@ -93,10 +94,10 @@ class MultiCrop:
         gain = 1 + (2 * torch.rand(b, 1, 1, 1, device=dev, generator=generator) - 1) * c
         shift = (2 * torch.rand(b, 1, 1, 1, device=dev, generator=generator) - 1) * c
         mean = out.mean(dim=(1, 2, 3), keepdim=True)
-        out = (out - mean) * gain + mean + shift
+        out = out.sub_(mean).mul_(gain).add_(mean).add_(shift)  # (x - mean) * gain + mean + shift, in place on this view
         if self.noise > 0:
             std = torch.rand(b, 1, 1, 1, device=dev, generator=generator) * self.noise
-            out = out + std * torch.randn(out.shape, device=dev, generator=generator, dtype=out.dtype)
+            out.add_(torch.randn(out.shape, device=dev, generator=generator, dtype=out.dtype).mul_(std))
         return out
 
     def __call__(self, images: Tensor, generator: torch.Generator | None = None) -> list[Tensor]:
