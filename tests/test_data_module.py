@@ -142,6 +142,30 @@ def test_two_workers_draw_different_augmentations(tmp_path, monkeypatch):
     assert torch.equal(same0, same1)
 
 
+def test_workers_start_after_opencv_ran_threaded_in_the_parent(tmp_path):
+    """OpenCV's thread pool, once running in the parent, is copied half-alive into forked loader workers; a worker
+    that then touches OpenCV (albumentations, the reseeding hook) waited forever. Run in a child process: a
+    regression hangs, and the timeout turns that into a failure."""
+    import subprocess
+    import sys
+
+    root = png_folders(tmp_path, per_class=4, size=64)
+    code = f"""
+import cv2, numpy as np, vitlab.threads
+cv2.setNumThreads(4)
+big = np.random.default_rng(0).random((2048, 2048), dtype=np.float32)
+for _ in range(3):
+    cv2.GaussianBlur(big, (31, 31), 5)  # the pool's threads are up
+vitlab.threads.available_cores = lambda: 4  # keep the workers on a small CI machine
+from vitlab.data import MedicalDataModule
+dm = MedicalDataModule(root={str(root)!r}, image_size=32, batch_size=2, num_workers=2, augment="strong", val_fraction=0.0)
+images, labels = next(iter(dm.train_dataloader()))
+print("loaded", tuple(images.shape))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and "loaded (2, 1, 32, 32)" in done.stdout, done.stderr[-2000:]
+
+
 def test_patient_grouped_split_is_deterministic(tiny_dataset):
     first, second, other = module(tiny_dataset), module(tiny_dataset), module(tiny_dataset, seed=5)
     val = {s.path for s in first.samples("val")}

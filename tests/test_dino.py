@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytest.importorskip("lightly")
@@ -267,3 +270,89 @@ def test_knn_monitor_mismatch_is_refused(tiny_dataset, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(["--config", str(cfg), "--model.knn_every_n_epochs", "2"])
     assert "knn_every_n_epochs = 2" in capsys.readouterr().err
+
+
+def unlabelled_folder(tiny_dataset, root):
+    """The tiny dataset's scans as a user's unlabelled archive: nested patient / series folders, one file flat at
+    the top, a text file, a hidden file and a ``masks/`` folder that are not images to train on."""
+    import shutil
+
+    src = tiny_dataset.parent
+    files = sorted(src.glob("P*/*.dcm"))
+    for i, f in enumerate(files):
+        dest = root / (f"{f.parent.name}/series_1/{f.name}" if i else f.name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, dest)
+    (root / "README.txt").write_text("notes")
+    (root / ".hidden.dcm").write_bytes(b"x")
+    (root / "masks").mkdir()
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(root / "masks" / "m.png")
+    return files
+
+
+def test_unlabelled_scans_layout_and_batches(tiny_dataset, tmp_path):
+    from vitlab.data.datamodule import MedicalDataModule
+    from vitlab.data.layouts import UNLABELLED, scan
+
+    root = tmp_path / "archive"
+    files = unlabelled_folder(tiny_dataset, root)
+    layout = scan(root, labels=False)
+    assert len(layout.samples) == len(files) and layout.class_names == [] and {s.label for s in layout.samples} == {UNLABELLED}
+    assert not any("masks" in s.path.parts or s.path.name.startswith(".") for s in layout.samples)
+    with pytest.raises(ValueError, match="need at least two.*data.labels false"):  # the labelled reading says what to do
+        scan(root / "P0000")
+    dm = MedicalDataModule(root=str(root), labels=False, image_size=32, batch_size=8, num_workers=0, augment="none", val_fraction=0.25)
+    assert dm.num_classes == 0 and not dm.has_labels
+    assert len(dm.samples("train")) == len(files) and dm.samples("val") == [] and dm.val_dataloader() == []
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.shape == (8, 1, 32, 32) and (labels == -1).all()
+    # a manifest without a label column; its split column keeps test patients out of pretraining
+    rows = ["path,split"] + [f"{f.relative_to(tiny_dataset.parent)},{'test' if f.parent.name == 'P0000' else 'train'}" for f in files]
+    (tiny_dataset.parent / "unlabelled.csv").write_text("\n".join(rows) + "\n")
+    dm = MedicalDataModule(root=str(tiny_dataset.parent / "unlabelled.csv"), labels=False, image_size=32, num_workers=0)
+    assert len(dm.samples("train")) == len(files) - 4 and all(s.patient_id for s in dm.samples("train"))
+    with pytest.raises(ValueError, match="lacks column"):  # labelled reading of the same manifest
+        MedicalDataModule(root=str(tiny_dataset.parent / "unlabelled.csv"), image_size=32, num_workers=0)
+    # skip mode: a broken file among the scans is dropped, not fatal
+    (root / "P0001" / "series_1" / "broken.dcm").write_bytes(b"DICM" * 10)
+    with pytest.warns(UserWarning, match="broken.dcm"):
+        dm = MedicalDataModule(root=str(root), labels=False, image_size=32, num_workers=0)
+        assert len(dm.samples("train")) == len(files) and dm.skipped_files == 1
+    with pytest.raises(ValueError, match="data.classes"):
+        MedicalDataModule(root=str(root), labels=False, classes=["a", "b"])
+
+
+def test_dino_on_unlabelled_scans_trains_without_validation(tiny_dataset, tmp_path, capsys):
+    from vitlab.cli import fit, train_main
+
+    root = tmp_path / "archive"
+    unlabelled_folder(tiny_dataset, root)
+    cfg = dino_config(root, tmp_path / "runs", epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(["--config", str(cfg), "--data.labels", "false"])
+    assert not [w for w in caught if "length of" in str(w.message) or "monitored key" in str(w.message)]
+    assert "no best checkpoint by val/knn_acc" in capsys.readouterr().err
+    run = tmp_path / "runs" / "dino" / "version_0"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/loss_epoch" in tags and "dino/teacher_entropy" in tags and not any(t.startswith("val/") for t in tags)
+    # the probes read the run's unlabelled images (all in train); the one that needs labels says so
+    from vitlab.probe_cli import probe_main
+
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    probe_main(["attention", "--checkpoint", ckpt, "--num-images", "2", "--out", str(tmp_path / "att")])
+    assert list((tmp_path / "att").glob("events.out.tfevents.*"))
+    with pytest.raises(SystemExit):
+        probe_main(["features", "--checkpoint", ckpt, "--out", str(tmp_path / "feat")])
+    assert "carry no labels" in capsys.readouterr().err
+    # classification needs labels: one line that says what unlabelled images are for
+    from tests.test_train_e2e import tiny_args
+
+    args = tiny_args(tiny_dataset, tmp_path / "cls", epochs=1)
+    with pytest.raises(SystemExit):
+        train_main([*args, "--data.root", str(root), "--data.labels", "false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "task: dino" in err[-1] and "num_classes" in err[-1]

@@ -167,6 +167,7 @@ def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[
     from vitlab.threads import configure_threads
 
     configure_threads(getattr(cli.datamodule, "worker_processes", 0))  # torch on the cores beside the workers
+    cli_support.without_validation(cli.trainer, cli.datamodule)  # unlabelled images, val_fraction 0
     if cli.config.get("ckpt_path"):
         from vitlab.tblog import purge_after_checkpoint
 

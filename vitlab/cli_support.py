@@ -243,6 +243,27 @@ def remove_stub_run(log_dir: Path | None, existed: bool, global_step: int) -> No
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
+def without_validation(trainer, datamodule) -> list[str]:
+    """When the data has no validation split (unlabelled images for DINO, or ``val_fraction: 0``): turn the
+    validation loop off (``limit_val_batches = 0``, no empty-loader warnings) and remove the checkpointers that
+    monitor a ``val/`` metric, since nothing would ever be scored (``last.ckpt`` is still written every epoch).
+    Returns the monitors removed; rank 0 says so in one line."""
+    samples = getattr(datamodule, "samples", None)
+    if samples is None or samples("val"):
+        return []
+    trainer.limit_val_batches = 0
+    dropped = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb.monitor, str) and cb.monitor.startswith("val/")]
+    if not dropped:
+        return []
+    trainer.callbacks = [cb for cb in trainer.callbacks if all(cb is not d for d in dropped)]
+    monitors = [cb.monitor for cb in dropped]
+    why = "unlabelled images (data.labels false)" if not getattr(datamodule, "has_labels", True) else "an empty validation split"
+    if trainer.is_global_zero:
+        print(f"vitlab: no best checkpoint by {', '.join(monitors)}: the data has {why}; last.ckpt is written every epoch",
+              file=sys.stderr)
+    return monitors
+
+
 def figures_ready(args: Any) -> contextlib.AbstractContextManager:
     """``vitlab.tblog.figure_process_ready()`` for a training run that will draw figures: not for ``--help`` or
     ``--print_config``, nor on a rank other than 0 of a multi-process run (only rank 0 writes TensorBoard)."""

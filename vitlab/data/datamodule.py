@@ -17,7 +17,7 @@ from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.io import ImageReader, ReadOptions
-from vitlab.data.layouts import SPLITS, Sample, check_files, patient_overlap, scan, split_by_patient
+from vitlab.data.layouts import SPLITS, UNLABELLED, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
 
 
@@ -65,6 +65,11 @@ class MedicalDataModule(pl.LightningDataModule):
         embedded_kwargs: Options of the embedded dataset when ``root`` is None (:class:`EmbeddedOptions` or a
             dict of its fields; typed, so ``--data.embedded_kwargs.patients 24`` reaches it as an int).
         classes: Fix the class names and their order; any other label is an error.
+        labels: False: unlabelled images for self-supervised pretraining (``task: dino``): every image under
+            ``root`` (any folder structure), or a manifest's ``path`` column (a ``label`` column is ignored).
+            All of them train (no labels to validate with: ``val_fraction`` / ``test_fraction`` are unused), unless
+            the manifest has a ``split`` column: then only its ``train`` rows do (keep test patients out of
+            pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class MedicalDataModule(pl.LightningDataModule):
         memory_cache_mb: int = 512,
         embedded_kwargs: EmbeddedOptions | None = None,
         classes: list[str] | None = None,
+        labels: bool = True,
     ) -> None:
         super().__init__()
         embedded = embedded_options(embedded_kwargs)
@@ -130,7 +136,8 @@ class MedicalDataModule(pl.LightningDataModule):
             self.root = embedded_dataset(**embedded_kwargs)
         else:
             self.root = Path(root).expanduser()
-        layout = scan(self.root, classes=classes, on_bad_file=on_bad_file)
+        self.labelled = bool(labels)
+        layout = scan(self.root, classes=classes, on_bad_file=on_bad_file, labels=self.labelled)
         self._layout = layout
         self.class_names: list[str] = layout.class_names
         self.num_classes: int = len(layout.class_names)
@@ -156,6 +163,14 @@ class MedicalDataModule(pl.LightningDataModule):
             return self._samples
         kept, skipped = check_files(self._layout.samples, self.on_bad_file, inspect=self.reader.inspect)
         self.skipped_files = len(self._layout.skipped or []) + len(skipped)
+        if not self.labelled:
+            if not kept:
+                raise ValueError(f"{self.root}: no readable images after skipping {self.skipped_files} bad file(s)")
+            samples = kept if self._layout.has_split_column else [dataclasses.replace(s, split="train") for s in kept]
+            if not any(s.split == "train" for s in samples):
+                raise ValueError(f"{self.root}: the manifest's split column puts no readable image in 'train'")
+            self._samples = samples
+            return samples
         present = sorted({s.label for s in kept})
         if len(present) < 2:
             raise ValueError(
@@ -189,6 +204,11 @@ class MedicalDataModule(pl.LightningDataModule):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
         return [s for s in self._prepare() if s.split == split]
+
+    @property
+    def has_labels(self) -> bool:
+        """False for unlabelled images (``labels=False``): nothing to classify or validate against."""
+        return self.labelled
 
     @property
     def has_test(self) -> bool:
@@ -231,6 +251,10 @@ class MedicalDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         workers = self.worker_processes
+        if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever
+            import cv2
+
+            cv2.setNumThreads(1)
         return DataLoader(
             self.dataset(split, augmented=train),
             batch_size=self.batch_size,

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from vitlab.data.cache import ArrayCache, MemoryCache
 from vitlab.data.io import ImageReader, ImageReadError, ReadOptions
-from vitlab.data.layouts import Sample, SkippedFileWarning
+from vitlab.data.layouts import UNLABELLED, Sample, SkippedFileWarning
 
 # ITU-R BT.601 luma weights, to feed colour images to a grayscale model.
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
@@ -74,7 +74,7 @@ class MedicalImageDataset(Dataset):
             raise ValueError("frames='all' gives a volume per file; a 2-D dataset needs 'middle' or a frame index")
         self.samples = list(samples)
         self.class_index = {name: i for i, name in enumerate(class_names)}
-        self.labels = [self.class_index[s.label] for s in self.samples]
+        self.labels = [-1 if s.label == UNLABELLED else self.class_index[s.label] for s in self.samples]  # -1: unlabelled
         self.transform = transform
         self.in_chans = in_chans
         self.read_options = read_options or ReadOptions()

@@ -6,6 +6,10 @@ Two layouts:
 * a CSV manifest with a header ``path,label[,split][,patient_id]``; paths are relative to the
   manifest's folder (absolute paths work too); other columns are ignored.
 
+Unlabelled images (``labels=False``, self-supervised pretraining): every image file anywhere under a folder
+(flat, or nested by patient / study / series), or a manifest whose ``label`` column may be absent (labels are
+ignored when present). Their samples carry :data:`UNLABELLED` and the layout has no class names.
+
 Splits come from the manifest's ``split`` column when it has one, otherwise from a deterministic
 split stratified by label and grouped by patient (no patient in two splits).
 
@@ -35,6 +39,9 @@ MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "mask", "boxes")
 MASKS_FOLDER = "masks"  # class-folder layout: root/masks/<class>/<relative path>.png holds the label maps
 
 
+UNLABELLED = ""  # the label of a sample from an unlabelled layout
+
+
 class SkippedFileWarning(UserWarning):
     """A bad file was dropped because ``on_bad_file="skip"``."""
 
@@ -45,7 +52,7 @@ class Sample:
 
     Args:
         path: Absolute path of the file.
-        label: Class name.
+        label: Class name (:data:`UNLABELLED` in an unlabelled layout).
         patient_id: Patient the image belongs to (manifest column, DICOM PatientID, else the path);
             None until :func:`check_files` has run.
         split: ``"train"``, ``"val"``, ``"test"`` or None when not assigned yet.
@@ -87,7 +94,9 @@ def skip_or_raise(error: Exception, on_bad_file: str, skipped: list[str]) -> Non
     warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=3)
 
 
-def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_bad_file: str = "skip") -> Layout:
+def scan(
+    root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_bad_file: str = "skip", labels: bool = True
+) -> Layout:
     """Find the samples under a class-folder root or in a CSV manifest (no pixel decoding).
 
     Args:
@@ -95,6 +104,7 @@ def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_ba
         classes: Fix the class names and their order; any other label / folder is an error.
         on_bad_file: ``"skip"`` drops (with a warning) manifest rows whose file is missing or of
             an unsupported type; ``"error"`` raises.
+        labels: False: unlabelled images (every image under the folder, or the manifest's paths; no classes).
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -106,9 +116,13 @@ def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_ba
     if root.is_file():
         if root.suffix.lower() != ".csv":
             raise ValueError(f"data root {root} is a file but not a .csv manifest")
-        layout = _read_manifest(root, on_bad_file)
+        layout = _read_manifest(root, on_bad_file, labels)
     else:
-        layout = _scan_class_folders(root)
+        layout = _scan_class_folders(root) if labels else _scan_unlabelled(root)
+    if not labels:
+        if classes:
+            raise ValueError(f"data.classes {list(classes)} names classes of unlabelled images (data.labels false): drop one of them")
+        return layout
     found = sorted({s.label for s in layout.samples})
     if classes is not None:
         unknown = [c for c in found if c not in classes]
@@ -120,6 +134,7 @@ def scan(root: str | os.PathLike, *, classes: Sequence[str] | None = None, on_ba
     if len(layout.class_names) < 2:
         hint = " (a manifest.csv is there: pass its path as root)" if (root / "manifest.csv").exists() else ""
         found_text = f"found {len(layout.class_names)} class(es) {layout.class_names}"
+        hint = hint or " (unlabelled images, for self-supervised pretraining: data.labels false)"
         raise ValueError(f"{root}: {found_text}; need at least two{hint}")
     return layout
 
@@ -140,6 +155,18 @@ def _scan_class_folders(root: Path) -> Layout:
     return Layout(samples=samples, class_names=[d.name for d in class_dirs], skipped=[])
 
 
+def _scan_unlabelled(root: Path) -> Layout:
+    """Every image file under ``root`` (sorted walk; hidden entries and a top-level ``masks/`` folder skipped)."""
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not (Path(folder) == root and d == MASKS_FOLDER))
+        files += [Path(folder, n) for n in sorted(names) if not n.startswith(".")]
+    images = [f for f in files if image_kind(f) is not None]
+    if not images:
+        raise ValueError(f"data root {root} holds no image files (supported: {SUPPORTED_TYPES})")
+    return Layout(samples=[Sample(path=f.resolve(), label=UNLABELLED) for f in images], class_names=[], skipped=[])
+
+
 def _parallel_mask(masks: Path, root: Path, image: Path) -> Path | None:
     """``root/<class>/a/b.dcm`` -> ``root/masks/<class>/a/b.png`` (or ``.tif`` / ``.tiff`` when that exists)."""
     if not masks.is_dir():
@@ -151,7 +178,7 @@ def _parallel_mask(masks: Path, root: Path, image: Path) -> Path | None:
     return stem.with_suffix(".png").resolve()
 
 
-def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
+def _read_manifest(manifest: Path, on_bad_file: str, labels: bool = True) -> Layout:
     try:
         with open(manifest, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.reader(f))
@@ -163,11 +190,12 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
             "expected a header 'path,label[,split][,patient_id]'"
         )
     header = [h.strip().lower() for h in rows[0]]
-    missing = [c for c in ("path", "label") if c not in header]
+    required = ("path", "label") if labels else ("path",)
+    missing = [c for c in required if c not in header]
     if missing:
         raise ValueError(
             f"manifest {manifest} header {rows[0]} lacks column(s) {missing}; "
-            "expected a header line 'path,label[,split][,patient_id]'"
+            f"expected a header line '{','.join(required)}[,split][,patient_id]'"
         )
     column = {name: header.index(name) for name in MANIFEST_COLUMNS if name in header}
     samples, skipped = [], []
@@ -177,7 +205,7 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
         if len(row) != len(header):
             raise ValueError(f"manifest {manifest} line {line}: expected {len(header)} fields, got {len(row)}")
         cell = {name: row[i].strip() for name, i in column.items()}
-        for name in ("path", "label"):
+        for name in required:
             if not cell[name]:
                 raise ValueError(f"manifest {manifest} line {line}: empty '{name}'")
         split = cell.get("split")
@@ -190,7 +218,8 @@ def _read_manifest(manifest: Path, on_bad_file: str) -> Layout:
             skip_or_raise(error_type(f"manifest {manifest} line {line}: {path} {reason}"), on_bad_file, skipped)
             continue
         mask = (manifest.parent / cell["mask"]).resolve() if cell.get("mask") else None
-        samples.append(Sample(path, cell["label"], cell.get("patient_id") or None, split, mask, cell.get("boxes")))
+        label = cell["label"] if labels else UNLABELLED
+        samples.append(Sample(path, label, cell.get("patient_id") or None, split, mask, cell.get("boxes")))
     if not samples:
         raise ValueError(f"manifest {manifest} lists no usable image files")
     return Layout(samples=samples, class_names=[], has_split_column="split" in column, skipped=skipped)

@@ -134,7 +134,7 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         kwargs = dict(hp.get("model_kwargs") or {})
         if "image_size" in hp and "img_size" not in kwargs:  # a detector / segmenter: probe its backbone
             kwargs["img_size"] = hp["image_size"]
-        build = dict(name=hp["model_name"], num_classes=hp.get("num_classes", 2), in_chans=hp.get("in_chans", 1), **kwargs)
+        build = dict(name=hp["model_name"], num_classes=max(hp.get("num_classes", 2), 2), in_chans=hp.get("in_chans", 1), **kwargs)  # (DINO on unlabelled images: 0)
         model = models.build_model(**build)
         models.load_weights(model, state)
         task = checkpoint_task(state)
@@ -210,7 +210,7 @@ def _num_classes(data: dict[str, Any]) -> int:
 
 
 def _datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
-    keep = {"root", "in_chans", "window", "window_center", "window_width", "window_index", "frames", "val_fraction", "test_fraction", "seed", "on_bad_file", "mean", "std", "embedded_kwargs", "classes"}
+    keep = {"root", "in_chans", "window", "window_center", "window_width", "window_index", "frames", "val_fraction", "test_fraction", "seed", "on_bad_file", "mean", "std", "embedded_kwargs", "classes", "labels"}
     return {k: v for k, v in (data or {}).items() if k in keep}
 
 
@@ -286,6 +286,9 @@ def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: i
         return ImageStream(len(files), lambda i: (_to_tensor(read_image(files[i]), in_chans, height, width), None, str(files[i])), mean, std, False)
     dm = _data_module(loaded.data or {}, in_chans=in_chans, image_size=height, augment="none", num_workers=0, mean=[0.0] * in_chans, std=[1.0] * in_chans)
     samples = dm.samples(split)
+    labelled = getattr(dm, "has_labels", True)
+    if not samples and not labelled:  # unlabelled images (data.labels false) are all in train
+        split, samples = "train", dm.samples("train")
     if not samples:
         raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
     generator = torch.Generator().manual_seed(args.seed)
@@ -296,7 +299,7 @@ def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: i
         image, label = dataset[order[i]]
         return image.float().clamp(0, 1), int(label), str(samples[order[i]].path)
 
-    return ImageStream(len(order), read, mean, std, True, dm.class_names)
+    return ImageStream(len(order), read, mean, std, labelled, dm.class_names if labelled else None)
 
 
 def _finish(pixels, labels, names, class_names, mean, std) -> ImageBatch:

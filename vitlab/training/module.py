@@ -71,7 +71,8 @@ class ClassificationModule(TaskModule):
     ) -> None:
         super().__init__()
         if num_classes < 2:
-            raise ValueError(f"model.num_classes must be >= 2, got {num_classes}")
+            hint = " (data.labels false gives unlabelled images: they pretrain with task: dino)" if num_classes == 0 else ""
+            raise ValueError(f"model.num_classes must be >= 2, got {num_classes}{hint}")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
