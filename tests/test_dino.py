@@ -356,3 +356,39 @@ def test_dino_on_unlabelled_scans_trains_without_validation(tiny_dataset, tmp_pa
         train_main([*args, "--data.root", str(root), "--data.labels", "false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert "task: dino" in err[-1] and "num_classes" in err[-1]
+
+
+def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_path, capsys):
+    """data.unlabelled_root: many unlabelled scans train DINO while the labelled root scores the k-NN."""
+    from vitlab.cli import fit, train_main
+    from vitlab.data.datamodule import MedicalDataModule
+
+    extra = tmp_path / "archive"
+    files = unlabelled_folder(tiny_dataset, extra)  # the same patients as the labelled set: the overlap is warned
+    kwargs = dict(image_size=32, batch_size=8, num_workers=0, augment="none", val_fraction=0.25)
+    labelled = MedicalDataModule(root=str(tiny_dataset), **kwargs)
+    with pytest.warns(UserWarning, match="labelled \\['val'\\] patients.*optimistic"):
+        dm = MedicalDataModule(root=str(tiny_dataset), unlabelled_root=str(extra), **kwargs)
+        dm.setup()
+    assert dm.num_classes == 2 and dm.has_unlabelled and dm.samples("val") == labelled.samples("val")
+    assert len(dm.samples("train")) == len(labelled.samples("train")) + len(files)
+    assert len(dm.dataset("train", labelled_only=True)) == len(labelled.samples("train"))
+    labels = torch.cat([y for _, y in dm.train_dataloader()])
+    assert (labels == -1).sum() == len(files) and (labels >= 0).sum() == len(labelled.samples("train"))
+    # a DINO run: k-NN every epoch on the labelled splits only (the bank leaves the unlabelled images out)
+    cfg = dino_config(tiny_dataset, tmp_path / "runs", epochs=1)
+    cli = fit(["--config", str(cfg), "--data.unlabelled_root", str(extra)])
+    bank_x, bank_y = cli.model.train_bank()
+    assert len(bank_x) == len(labelled.samples("train")) and (bank_y >= 0).all()
+    acc = EventAccumulator(str(tmp_path / "runs" / "dino" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert len(acc.Scalars("val/knn_acc")) == 1
+    assert (tmp_path / "runs" / "dino" / "version_0" / "checkpoints" / "best-epoch000.ckpt").is_file()
+    # other tasks refuse the unlabelled images in one line, before writing a run folder
+    from tests.test_train_e2e import tiny_args
+
+    args = tiny_args(tiny_dataset, tmp_path / "cls", epochs=1)
+    with pytest.raises(SystemExit):
+        train_main([*args, "--data.unlabelled_root", str(extra)])
+    assert "task classification cannot learn from them" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "cls" / "tiny").exists()  # (cls/ holds the config file)

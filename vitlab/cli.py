@@ -98,6 +98,10 @@ class VitlabCLI(LightningCLI):
         parser.link_arguments("data.in_chans", "model.in_chans", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
+        unlabelled = (self.config.get("data") or {}).get("unlabelled_root")
+        if unlabelled and self.task != "dino":
+            raise ValueError(f"data.unlabelled_root {unlabelled} adds images without labels: task {self.task} cannot "
+                             "learn from them (self-supervised pretraining: task: dino)")
         self._recipe = cli_support.clean_recipe(self.config)
         ckpt_path = self.config.get("ckpt_path")
         if not ckpt_path:

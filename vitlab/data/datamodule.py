@@ -70,6 +70,10 @@ class MedicalDataModule(pl.LightningDataModule):
             All of them train (no labels to validate with: ``val_fraction`` / ``test_fraction`` are unused), unless
             the manifest has a ``split`` column: then only its ``train`` rows do (keep test patients out of
             pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
+        unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
+            a manifest's ``path`` column), for ``task: dino`` on many unlabelled scans while the labelled ``root``
+            scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
+            belong to labelled val / test patients (their k-NN score would be optimistic).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class MedicalDataModule(pl.LightningDataModule):
         embedded_kwargs: EmbeddedOptions | None = None,
         classes: list[str] | None = None,
         labels: bool = True,
+        unlabelled_root: str | None = None,
     ) -> None:
         super().__init__()
         embedded = embedded_options(embedded_kwargs)
@@ -139,6 +144,8 @@ class MedicalDataModule(pl.LightningDataModule):
         self.labelled = bool(labels)
         layout = scan(self.root, classes=classes, on_bad_file=on_bad_file, labels=self.labelled)
         self._layout = layout
+        self.unlabelled_root = Path(unlabelled_root).expanduser() if unlabelled_root else None
+        self._unlabelled = scan(self.unlabelled_root, on_bad_file=on_bad_file, labels=False) if self.unlabelled_root else None
         self.class_names: list[str] = layout.class_names
         self.num_classes: int = len(layout.class_names)
         self.skipped_files: int = len(layout.skipped or [])
@@ -163,13 +170,25 @@ class MedicalDataModule(pl.LightningDataModule):
             return self._samples
         kept, skipped = check_files(self._layout.samples, self.on_bad_file, inspect=self.reader.inspect)
         self.skipped_files = len(self._layout.skipped or []) + len(skipped)
+        extra: list[Sample] = []
+        if self._unlabelled is not None:
+            extra, extra_skipped = check_files(self._unlabelled.samples, self.on_bad_file, inspect=self.reader.inspect)
+            self.skipped_files += len(self._unlabelled.skipped or []) + len(extra_skipped)
+            extra = [dataclasses.replace(s, split="train") for s in extra]
+        samples = self._split(kept)
+        if extra:
+            _check_unlabelled_overlap(self.unlabelled_root, extra, samples)
+        self._samples = samples + extra
+        return self._samples
+
+    def _split(self, kept: list[Sample]) -> list[Sample]:
+        """The splits of the (labelled, or unlabelled with ``labels=False``) samples of ``root``."""
         if not self.labelled:
             if not kept:
                 raise ValueError(f"{self.root}: no readable images after skipping {self.skipped_files} bad file(s)")
             samples = kept if self._layout.has_split_column else [dataclasses.replace(s, split="train") for s in kept]
             if not any(s.split == "train" for s in samples):
                 raise ValueError(f"{self.root}: the manifest's split column puts no readable image in 'train'")
-            self._samples = samples
             return samples
         present = sorted({s.label for s in kept})
         if len(present) < 2:
@@ -196,7 +215,6 @@ class MedicalDataModule(pl.LightningDataModule):
             warnings.warn(f"{self.root}: class(es) {missing} have no training images", stacklevel=2)
         if not self._layout.has_split_column and self.val_fraction > 0:
             _check_validation(self.root, samples, self.val_fraction)
-        self._samples = samples
         return samples
 
     def samples(self, split: str) -> list[Sample]:
@@ -204,6 +222,11 @@ class MedicalDataModule(pl.LightningDataModule):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
         return [s for s in self._prepare() if s.split == split]
+
+    @property
+    def has_unlabelled(self) -> bool:
+        """True when unlabelled images train beside labelled ones (``unlabelled_root``, or ``labels=False``)."""
+        return self._unlabelled is not None or not self.labelled
 
     @property
     def has_labels(self) -> bool:
@@ -232,10 +255,14 @@ class MedicalDataModule(pl.LightningDataModule):
             self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders
-    def dataset(self, split: str, *, augmented: bool = False) -> MedicalImageDataset:
-        """Dataset of one split; ``augmented`` applies the training augmentations, else resize only."""
+    def dataset(self, split: str, *, augmented: bool = False, labelled_only: bool = False) -> MedicalImageDataset:
+        """Dataset of one split; ``augmented`` applies the training augmentations, else resize only;
+        ``labelled_only`` leaves out the unlabelled images (the k-NN memory bank)."""
+        samples = self.samples(split)
+        if labelled_only:
+            samples = [s for s in samples if s.label != UNLABELLED]
         return MedicalImageDataset(
-            self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
+            samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
             memory=self.memory, deterministic=not augmented,
@@ -301,6 +328,18 @@ def _check_validation(root: Path, samples: list[Sample], val_fraction: float) ->
         warnings.warn(
             f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
             "validation metrics ignore them", stacklevel=3)
+
+
+def _check_unlabelled_overlap(root: Path, extra: list[Sample], samples: list[Sample]) -> None:
+    """Warn when unlabelled training images belong to patients of the labelled val / test splits."""
+    held_out = {s.patient_id: s.split for s in samples if s.split in ("val", "test")}
+    shared = [s for s in extra if s.patient_id in held_out]
+    if shared:
+        example = shared[0]
+        warnings.warn(
+            f"unlabelled_root {root}: {len(shared)} image(s) belong to labelled {sorted({held_out[s.patient_id] for s in shared})} "
+            f"patients (e.g. {example.path.name}: {example.patient_id!r}); pretraining on them makes the k-NN score optimistic",
+            stacklevel=3)
 
 
 def _check_positive(**values: int) -> None:

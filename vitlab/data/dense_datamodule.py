@@ -29,9 +29,9 @@ class DenseDataModule(MedicalDataModule):
 
     def __init__(self, *args, mask_classes: list[str] | None = None, coco_json: str | None = None,
                  coco_mask_dir: str | None = None, **kwargs) -> None:
-        if kwargs.get("labels") is False:
-            raise ValueError("data.labels false (unlabelled images) is for self-supervised pretraining (task: dino); "
-                             "detection and segmentation learn from masks or boxes")
+        if kwargs.get("labels") is False or kwargs.get("unlabelled_root"):
+            raise ValueError("data.labels false / data.unlabelled_root (unlabelled images) are for self-supervised pretraining "
+                             "(task: dino); detection and segmentation learn from masks or boxes")
         if coco_json is not None:
             manifest, mask_classes = scan_coco(coco_json, mask_dir=coco_mask_dir)
             kwargs["root"] = str(manifest)

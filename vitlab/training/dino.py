@@ -228,7 +228,7 @@ class DINOModule(TaskModule):
         """Teacher features of the train split without augmentation (the k-NN memory bank); under DDP each rank
         computes its share and every rank gets the whole bank."""
         dm = self.trainer.datamodule
-        dataset = dm.dataset("train", augmented=False)
+        dataset = dm.dataset("train", augmented=False, labelled_only=True)  # (not data.unlabelled_root's images)
         world = self.trainer.world_size
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=self.global_rank, shuffle=False) if world > 1 else None
         loader = torch.utils.data.DataLoader(dataset, batch_size=getattr(dm, "batch_size", 32), sampler=sampler)
