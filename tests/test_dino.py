@@ -375,6 +375,11 @@ def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_p
     assert len(dm.dataset("train", labelled_only=True)) == len(labelled.samples("train"))
     labels = torch.cat([y for _, y in dm.train_dataloader()])
     assert (labels == -1).sum() == len(files) and (labels >= 0).sum() == len(labelled.samples("train"))
+    listed = tmp_path / "extra.csv"  # an unlabelled manifest's val / test rows stay out of training
+    listed.write_text("path,split\n" + "".join(f"{f},{'test' if i % 2 else 'train'}\n" for i, f in enumerate(files)))
+    with pytest.warns(UserWarning, match="optimistic"):
+        dm = MedicalDataModule(root=str(tiny_dataset), unlabelled_root=str(listed), **kwargs)
+        assert len(dm.samples("train")) == len(labelled.samples("train")) + len(files[::2])
     # a DINO run: k-NN every epoch on the labelled splits only (the bank leaves the unlabelled images out)
     cfg = dino_config(tiny_dataset, tmp_path / "runs", epochs=1)
     cli = fit(["--config", str(cfg), "--data.unlabelled_root", str(extra)])

@@ -71,7 +71,7 @@ class MedicalDataModule(pl.LightningDataModule):
             the manifest has a ``split`` column: then only its ``train`` rows do (keep test patients out of
             pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
-            a manifest's ``path`` column), for ``task: dino`` on many unlabelled scans while the labelled ``root``
+            a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
             belong to labelled val / test patients (their k-NN score would be optimistic).
     """
@@ -174,7 +174,7 @@ class MedicalDataModule(pl.LightningDataModule):
         if self._unlabelled is not None:
             extra, extra_skipped = check_files(self._unlabelled.samples, self.on_bad_file, inspect=self.reader.inspect)
             self.skipped_files += len(self._unlabelled.skipped or []) + len(extra_skipped)
-            extra = [dataclasses.replace(s, split="train") for s in extra]
+            extra = [dataclasses.replace(s, split="train") for s in extra if s.split in (None, "train")]  # (a split column's val / test rows stay out)
         samples = self._split(kept)
         if extra:
             _check_unlabelled_overlap(self.unlabelled_root, extra, samples)
