@@ -311,6 +311,11 @@ def test_unlabelled_scans_layout_and_batches(tiny_dataset, tmp_path):
     (tiny_dataset.parent / "unlabelled.csv").write_text("\n".join(rows) + "\n")
     dm = MedicalDataModule(root=str(tiny_dataset.parent / "unlabelled.csv"), labels=False, image_size=32, num_workers=0)
     assert len(dm.samples("train")) == len(files) - 4 and all(s.patient_id for s in dm.samples("train"))
+    # its val rows are left out too: unlabelled images are never validated (DINO would score k-NN on label -1)
+    rows = ["path,split"] + [f"{f.relative_to(tiny_dataset.parent)},{'val' if f.parent.name == 'P0001' else 'train'}" for f in files]
+    (tiny_dataset.parent / "unlabelled_val.csv").write_text("\n".join(rows) + "\n")
+    dm = MedicalDataModule(root=str(tiny_dataset.parent / "unlabelled_val.csv"), labels=False, image_size=32, num_workers=0)
+    assert len(dm.samples("train")) == len(files) - 4 and dm.samples("val") == [] and dm.val_dataloader() == []
     with pytest.raises(ValueError, match="lacks column"):  # labelled reading of the same manifest
         MedicalDataModule(root=str(tiny_dataset.parent / "unlabelled.csv"), image_size=32, num_workers=0)
     # skip mode: a broken file among the scans is dropped, not fatal
@@ -370,7 +375,7 @@ def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_p
     with pytest.warns(UserWarning, match="labelled \\['val'\\] patients.*optimistic"):
         dm = MedicalDataModule(root=str(tiny_dataset), unlabelled_root=str(extra), **kwargs)
         dm.setup()
-    assert dm.num_classes == 2 and dm.has_unlabelled and dm.samples("val") == labelled.samples("val")
+    assert dm.num_classes == 2 and dm.unlabelled_root == extra and dm.samples("val") == labelled.samples("val")
     assert len(dm.samples("train")) == len(labelled.samples("train")) + len(files)
     assert len(dm.dataset("train", labelled_only=True)) == len(labelled.samples("train"))
     labels = torch.cat([y for _, y in dm.train_dataloader()])

@@ -406,7 +406,7 @@ def _end_with_parent() -> None:
     """Linux: the kernel kills this process when the training process ends, even a stopped one (see
     :meth:`FigureProcess.pause`), which would never read the end of its input: a training run killed with
     SIGKILL while its figure process was paused left it behind."""
-    if not sys.platform.startswith("linux"):
+    if not _PAUSABLE:
         return
     import ctypes
     import signal

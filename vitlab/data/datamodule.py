@@ -68,8 +68,8 @@ class MedicalDataModule(pl.LightningDataModule):
         labels: False: unlabelled images for self-supervised pretraining (``task: dino``): every image under
             ``root`` (any folder structure), or a manifest's ``path`` column (a ``label`` column is ignored).
             All of them train (no labels to validate with: ``val_fraction`` / ``test_fraction`` are unused), unless
-            the manifest has a ``split`` column: then only its ``train`` rows do (keep test patients out of
-            pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
+            the manifest has a ``split`` column: then only its ``train`` rows do, and its val / test rows are left
+            out (test patients stay out of pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
             a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
@@ -174,7 +174,7 @@ class MedicalDataModule(pl.LightningDataModule):
         if self._unlabelled is not None:
             extra, extra_skipped = check_files(self._unlabelled.samples, self.on_bad_file, inspect=self.reader.inspect)
             self.skipped_files += len(self._unlabelled.skipped or []) + len(extra_skipped)
-            extra = [dataclasses.replace(s, split="train") for s in extra if s.split in (None, "train")]  # (a split column's val / test rows stay out)
+            extra = _training_only(extra)
         samples = self._split(kept)
         if extra:
             _check_unlabelled_overlap(self.unlabelled_root, extra, samples)
@@ -186,8 +186,8 @@ class MedicalDataModule(pl.LightningDataModule):
         if not self.labelled:
             if not kept:
                 raise ValueError(f"{self.root}: no readable images after skipping {self.skipped_files} bad file(s)")
-            samples = kept if self._layout.has_split_column else [dataclasses.replace(s, split="train") for s in kept]
-            if not any(s.split == "train" for s in samples):
+            samples = _training_only(kept)
+            if not samples:
                 raise ValueError(f"{self.root}: the manifest's split column puts no readable image in 'train'")
             return samples
         present = sorted({s.label for s in kept})
@@ -222,11 +222,6 @@ class MedicalDataModule(pl.LightningDataModule):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
         return [s for s in self._prepare() if s.split == split]
-
-    @property
-    def has_unlabelled(self) -> bool:
-        """True when unlabelled images train beside labelled ones (``unlabelled_root``, or ``labels=False``)."""
-        return self._unlabelled is not None or not self.labelled
 
     @property
     def has_labels(self) -> bool:
@@ -328,6 +323,12 @@ def _check_validation(root: Path, samples: list[Sample], val_fraction: float) ->
         warnings.warn(
             f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
             "validation metrics ignore them", stacklevel=3)
+
+
+def _training_only(unlabelled: list[Sample]) -> list[Sample]:
+    """Unlabelled images train and nothing else: a manifest's val / test rows stay out (there are no labels to
+    score them with, and test patients stay out of pretraining); the rest get ``split="train"``."""
+    return [dataclasses.replace(s, split="train") for s in unlabelled if s.split in (None, "train")]
 
 
 def _check_unlabelled_overlap(root: Path, extra: list[Sample], samples: list[Sample]) -> None:
