@@ -37,7 +37,7 @@ def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:
         },
         "model": {**TINY_SWIN, "lr": 1e-2, "warmup_epochs": 0.0},
         # 8 patients x 4 slices, half of the patients in validation: 16 training images = one global batch
-        "data": {"root": str(manifest), "image_size": 32, "batch_size": batch_size, "num_workers": 0, "augment": "none", "val_fraction": 0.5},
+        "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": batch_size, "augment": "none", "val_fraction": 0.5},
     }
     save_dir.mkdir(parents=True, exist_ok=True)
     path = save_dir / "cfg.yaml"

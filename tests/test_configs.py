@@ -33,7 +33,7 @@ def test_config_parses(config, capsys):
 def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
     cli = fit([
         "--config", str(config),
-        "--data.root", str(tiny_dataset), "--data.num_workers", "0", "--data.batch_size", "4",
+        "--data.root", str(tiny_dataset), "--runtime.workers", "0", "--data.batch_size", "4",
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "2",
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
     ])
@@ -50,7 +50,7 @@ def test_dense_config_trains_one_step(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
     cli = fit([
         "--config", str(config), "--data.embedded_kwargs", '{"patients": 4, "slices": 2, "size": 32}',
-        "--data.image_size", "32", "--data.num_workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
+        "--data.image_size", "32", "--runtime.workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.precision", "bf16-mixed",  # CPU autocast here; the fp32 path runs in test_train_dense.py
@@ -75,7 +75,7 @@ def test_full_scale_dense_config_trains_one_step_on_a_tiny_backbone(config, tmp_
     cli = fit([
         "--config", str(CONFIGS[0].parent / f"{config}.yaml"), "--model.model_name", name, "--model.pretrained", "false",
         "--model.model_kwargs", json.dumps(kwargs), "--data.embedded_kwargs", '{"patients": 4, "slices": 2, "size": 32}',
-        "--data.image_size", "32", "--data.num_workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
+        "--data.image_size", "32", "--runtime.workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
         "--trainer.devices", "1", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
         "--trainer.logger.init_args.save_dir", str(tmp_path),

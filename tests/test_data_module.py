@@ -116,30 +116,36 @@ def test_user_transforms_get_resize_and_normalize_appended(tmp_path):
         module(root, train_transforms=A.Compose([A.Normalize()]))
 
 
-def test_two_workers_draw_different_augmentations(tmp_path, monkeypatch):
-    import vitlab.threads
-
-    monkeypatch.setattr(vitlab.threads, "available_cores", lambda: 4)  # workers are kept on a machine of 4 cores
-    root = png_folders(tmp_path, per_class=1, size=32)
-    dm = module(root, augment="strong", num_workers=2, batch_size=1, val_fraction=0.0)
-    dataset = dm.dataset("train", augmented=True)
-    dataset.samples, dataset.labels = [dataset.samples[0]] * 4, [0] * 4  # one image, four draws
-
-    def first_two_batches(worker_init_fn):
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=1, num_workers=2, worker_init_fn=worker_init_fn,
-            generator=torch.Generator().manual_seed(0),
-        )  # fmt: skip
-        batches = iter(loader)
-        return next(batches)[0], next(batches)[0]  # batch 0 from worker 0, batch 1 from worker 1
-
+def _epoch_batches(dm, epoch: int) -> list[torch.Tensor]:
+    dm.trainer = None
     loader = dm.train_dataloader()
-    assert loader.persistent_workers and loader.worker_init_fn is not None
-    worker0, worker1 = first_two_batches(loader.worker_init_fn)
-    assert not torch.equal(worker0, worker1)
-    # control: without the reseeding hook both forked workers replay the same albumentations draws
-    same0, same1 = first_two_batches(None)
-    assert torch.equal(same0, same1)
+    loader.sampler._iterations = epoch  # (outside a trainer the sampler counts its epochs)
+    return [images for images, _ in loader]
+
+
+def test_augmentations_are_a_function_of_seed_epoch_and_index_not_of_the_workers(tmp_path):
+    root = png_folders(tmp_path, per_class=3, size=32)
+    batches = {}
+    for workers in (0, 1, 2):
+        dm = module(root, augment="strong", num_workers=workers, batch_size=2, val_fraction=0.0)
+        batches[workers] = [_epoch_batches(dm, epoch) for epoch in (0, 1)]
+    for workers in (1, 2):
+        for epoch in (0, 1):
+            assert all(torch.equal(a, b) for a, b in zip(batches[0][epoch], batches[workers][epoch], strict=True))
+    # a new order and new augmentations each epoch, the same ones for the same epoch again
+    assert not all(torch.equal(a, b) for a, b in zip(batches[0][0], batches[0][1]))
+    again = _epoch_batches(module(root, augment="strong", num_workers=0, batch_size=2, val_fraction=0.0), 1)
+    assert all(torch.equal(a, b) for a, b in zip(again, batches[0][1], strict=True))
+
+
+def test_one_image_drawn_twice_in_an_epoch_gets_two_augmentations(tmp_path):
+    from vitlab.data.sampling import KeyedAugmentation
+
+    root = png_folders(tmp_path, per_class=1, size=32)
+    dataset = module(root, augment="strong", val_fraction=0.0).dataset("train", augmented=True)
+    keyed = KeyedAugmentation(dataset, seed=0)
+    first, second, first_again = keyed[(0, 0)][0], keyed[(0, 1)][0], keyed[(0, 0)][0]
+    assert not torch.equal(first, second) and torch.equal(first, first_again)
 
 
 def test_workers_start_after_opencv_ran_threaded_in_the_parent(tmp_path):
@@ -151,12 +157,11 @@ def test_workers_start_after_opencv_ran_threaded_in_the_parent(tmp_path):
 
     root = png_folders(tmp_path, per_class=4, size=64)
     code = f"""
-import cv2, numpy as np, vitlab.threads
+import cv2, numpy as np
 cv2.setNumThreads(4)
 big = np.random.default_rng(0).random((2048, 2048), dtype=np.float32)
 for _ in range(3):
     cv2.GaussianBlur(big, (31, 31), 5)  # the pool's threads are up
-vitlab.threads.available_cores = lambda: 4  # keep the workers on a small CI machine
 from vitlab.data import MedicalDataModule
 dm = MedicalDataModule(root={str(root)!r}, image_size=32, batch_size=2, num_workers=2, augment="strong", val_fraction=0.0)
 images, labels = next(iter(dm.train_dataloader()))
@@ -351,7 +356,6 @@ def test_lightning_cli_style_construction_from_yaml(tiny_dataset):
 data:
   root: {tiny_dataset}
   image_size: 32
-  num_workers: 0
   frames: 0
   mean: [0.5]
   std: [0.25]

@@ -196,7 +196,7 @@ def dino_config(manifest, save_dir, epochs=2):
         "checkpoint": {"monitor": "val/knn_acc"},
         "task": "dino",
         "model": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
-        "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "num_workers": 0, "augment": "none", "val_fraction": 0.25},
+        "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "augment": "none", "val_fraction": 0.25},
     }
     path = save_dir / "dino.yaml"
     save_dir.mkdir(parents=True, exist_ok=True)

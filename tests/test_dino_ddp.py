@@ -65,7 +65,7 @@ def ddp_config(manifest: Path, save_dir: Path, probe: Path, epochs: int) -> list
         },
         "model": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
         # 8 patients x 3 slices, one patient in validation: 21 train / 3 val images, both odd (sampler padding)
-        "data": {"root": str(manifest), "image_size": 32, "batch_size": 4, "num_workers": 0, "augment": "none", "val_fraction": 0.125},
+        "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 4, "augment": "none", "val_fraction": 0.125},
     }
     path = save_dir / f"dino_ddp_{epochs}.yaml"
     save_dir.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,9 @@ def dense_args(task: str, save_dir: Path, epochs: int, extra: list[str] | None =
                           {"class_path": "vitlab.callbacks.QKSpectra"}],
         },
         "model": {**SWIN, "lr": 2e-3, "warmup_epochs": 0.5},
+        "runtime": {"workers": 0},
         "data": {"root": None, "embedded_kwargs": {"patients": 6, "slices": 2, "size": 32, "difficulty": 0.0},
-                 "image_size": 32, "batch_size": 4, "num_workers": 0, "augment": "light", "val_fraction": 0.34},
+                 "image_size": 32, "batch_size": 4, "augment": "light", "val_fraction": 0.34},
     }
     path = save_dir / f"{task}.yaml"
     save_dir.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def tiny_args(manifest: Path, save_dir: Path, epochs: int = 2, extra: list[str] 
             ],
         },
         "model": {**TINY_SWIN, "lr": 1e-3, "warmup_epochs": 0.5},
-        "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "num_workers": 0, "augment": "light", "val_fraction": 0.25},
+        "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "augment": "light", "val_fraction": 0.25},
     }
     import yaml
 

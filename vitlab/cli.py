@@ -7,14 +7,18 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
-from pytorch_lightning.utilities.model_helpers import is_overridden
+from vitlab.runtime import Runtime, available_cores, frozen_heap, set_openmp_env
 
-from vitlab import cli_support
-from vitlab.data import DenseDataModule, MedicalDataModule
-from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: F401 - Lightning-free, shared with probe.py
-from vitlab.training import ClassificationModule, DetectionModule, DINOModule, SegmentationModule
+set_openmp_env()  # before torch is imported (by Lightning, below)
+
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from pytorch_lightning.utilities.model_helpers import is_overridden  # noqa: E402
+
+from vitlab import cli_support  # noqa: E402
+from vitlab.data import DenseDataModule, MedicalDataModule  # noqa: E402
+from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: E402,F401 - Lightning-free, shared with probe.py
+from vitlab.training import ClassificationModule, DetectionModule, DINOModule, SegmentationModule  # noqa: E402
 
 TENSORBOARD_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
 # task -> (LightningModule, DataModule, checkpoint monitor); chosen by the config's top-level ``task:`` key
@@ -31,6 +35,9 @@ class VitlabCLI(LightningCLI):
 
     - ``python train.py --config x.yaml`` fits without a subcommand (``run=False``); ``--ckpt_path`` resumes.
     - ``data.num_classes`` / ``data.in_chans`` / ``data.class_names`` are linked into the model.
+    - ``runtime.threads`` / ``runtime.workers`` / ``runtime.figures`` (:class:`vitlab.runtime.Runtime`): ``auto`` is
+      resolved from the cores and the accelerator, printed once and saved resolved in the run's ``config.yaml``; the
+      workers become ``data.num_workers``; a :class:`vitlab.callbacks.RuntimeCallback` runs the figure worker.
     - Every run lives in ``<save_dir>/<name>/<version>/`` (TensorBoard events, ``config.yaml``,
       ``checkpoints/`` with best + last); resuming from ``.../checkpoints/last.ckpt`` appends to the same
       run folder.
@@ -49,11 +56,15 @@ class VitlabCLI(LightningCLI):
             sys.argv[1:] = cli_support.resolve_config_args(sys.argv[1:])
         elif isinstance(args, list):
             args = cli_support.resolve_config_args(args)
+        cli_support.refuse_moved_keys(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         cli_support.save_recipe(self.trainer, self._recipe)  # config.yaml repeats the run, never re-resumes
+        from vitlab.callbacks import RuntimeCallback
+
+        self.trainer.callbacks.append(RuntimeCallback(self.runtime.figures, self.runtime.workers))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -62,6 +73,8 @@ class VitlabCLI(LightningCLI):
             default="classification",
             help=f"What to train: {', '.join(TASKS)} (read before parsing; picks the model and data classes)",
         )
+        parser.add_class_arguments(Runtime, "runtime", help="How the run uses the machine (threads, loader workers, figures)")
+        parser.link_arguments(("runtime.workers", "trainer.accelerator"), "data.num_workers", compute_fn=_workers, apply_on="parse")
         parser.add_argument(
             "--ckpt_path",
             type=Optional[str],
@@ -102,7 +115,13 @@ class VitlabCLI(LightningCLI):
         if unlabelled and self.task != "dino":
             raise ValueError(f"data.unlabelled_root {unlabelled} adds images without labels: task {self.task} cannot "
                              "learn from them (self-supervised pretraining: task: dino)")
+        gpu = _trains_on_gpu(self.config.trainer.get("accelerator"))
+        self.runtime = Runtime(**self.config.runtime).resolved(gpu)
+        self.runtime.apply()
+        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+            print(self.runtime.describe(available_cores(), gpu), file=sys.stderr)
         self._recipe = cli_support.clean_recipe(self.config)
+        self._recipe.runtime.threads, self._recipe.runtime.workers = self.runtime.threads, self.runtime.workers
         ckpt_path = self.config.get("ckpt_path")
         if not ckpt_path:
             return
@@ -117,6 +136,21 @@ class VitlabCLI(LightningCLI):
             init.save_dir = cli_support.resume_save_dir(ckpt, version_dir)
             init.name = version_dir.parent.name
             init.version = version_dir.name
+
+
+def _trains_on_gpu(accelerator: Any) -> bool:
+    """Whether ``trainer.accelerator`` trains on a GPU here (``auto``: when one is present)."""
+    name = str(getattr(accelerator, "__name__", accelerator) or "auto").lower()
+    if name in ("cpu", "cpuaccelerator"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _workers(workers: Any, accelerator: Any) -> int:
+    """``data.num_workers`` from ``runtime.workers`` (``auto`` resolved for this machine)."""
+    return Runtime(workers=workers).resolved(_trains_on_gpu(accelerator)).workers
 
 
 def _trainer_defaults() -> dict[str, Any]:
@@ -152,8 +186,7 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     cli_support.quiet_output()
     task = _task_of(args)
     model_class, data_class, _ = TASKS[task]
-    with cli_support.figures_ready(args):
-        return _fit(task, model_class, data_class, args)
+    return _fit(task, model_class, data_class, args)
 
 
 def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[str, Any] | None) -> VitlabCLI:
@@ -168,18 +201,15 @@ def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[
         parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
         args=args,
     )
-    from vitlab.threads import configure_threads
-
-    configure_threads(getattr(cli.datamodule, "worker_processes", 0))  # torch on the cores beside the workers
     cli_support.without_validation(cli.trainer, cli.datamodule)  # unlabelled images, val_fraction 0
     if cli.config.get("ckpt_path"):
-        from vitlab.tblog import purge_after_checkpoint
+        from vitlab.outputs.tensorboard import purge_after_checkpoint
 
         purge_after_checkpoint(cli.trainer, cli.config.get("ckpt_path"))  # no duplicate points after a kill
     log_dir = Path(cli.trainer.log_dir) if cli.trainer.log_dir else None
     existed = log_dir is not None and log_dir.exists()
     try:
-        with cli_support.frozen_heap():  # start-up objects skip the full garbage collections of the fit
+        with frozen_heap():  # start-up objects skip the full garbage collections of the fit
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     except BaseException:
         if cli.trainer.is_global_zero:  # leave no stub version_N folder for TensorBoard to list

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import gc
 import logging
 import os
 import shutil
@@ -20,6 +19,7 @@ from typing import Any
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the repository's configs/ folder
 _ALWAYS_KNOWN = {"config", "print_config", "help", "c", "h"}
+MOVED = {"data.num_workers": "runtime.workers"}  # keys of older configs -> where they live now
 
 
 # ---------------------------------------------------------------------------------------------- shipped configs
@@ -51,6 +51,31 @@ def find_config(value: str) -> str:
     raise FileNotFoundError(
         f"--config {value}: no such file, and no shipped config of that name; shipped configs "
         f"({', '.join(str(d) for d in config_dirs()) or 'configs/'}): {', '.join(shipped_configs())}")
+
+
+def refuse_moved_keys(args: list[str] | dict[str, Any]) -> None:
+    """One line for a key of an older config that moved (:data:`MOVED`), in a config dict, a flag or a ``--config`` file."""
+    import yaml
+
+    sources: list[tuple[str, Any]] = []
+    if isinstance(args, dict):
+        sources.append(("the config", args))
+    else:
+        for i, token in enumerate(args):
+            name = token.split("=", 1)[0]
+            value = token.split("=", 1)[1] if "=" in token else (args[i + 1] if i + 1 < len(args) else None)
+            if name in ("--config", "-c") and value and Path(value).is_file():
+                with contextlib.suppress(yaml.YAMLError):
+                    sources.append((value, yaml.safe_load(Path(value).read_text())))
+            elif name.startswith("--") and name[2:] in MOVED:
+                raise ValueError(f"{name}: moved to --{MOVED[name[2:]]}")
+    for where, cfg in sources:
+        for old, new in MOVED.items():
+            node = cfg
+            for part in old.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                raise ValueError(f"{where}: {old} moved to {new} (e.g. runtime: {{{new.split('.', 1)[1]}: {node}}})")
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
@@ -153,6 +178,8 @@ def _status(key: str, dests: set[str]) -> str:
 
 
 def _suggest(key: str, dests: set[str], dash: str) -> str:
+    if key in MOVED:
+        return f"{dash}{key} (moved to {dash}{MOVED[key]})"
     match = difflib.get_close_matches(key, sorted(dests - _ALWAYS_KNOWN), n=1, cutoff=0.6)
     return f"{dash}{key} (did you mean {dash}{match[0]}?)" if match else f"{dash}{key}"
 
@@ -262,39 +289,6 @@ def without_validation(trainer, datamodule) -> list[str]:
         print(f"vitlab: no best checkpoint by {', '.join(monitors)}: the data has {why}; last.ckpt is written every epoch",
               file=sys.stderr)
     return monitors
-
-
-def figures_ready(args: Any) -> contextlib.AbstractContextManager:
-    """``vitlab.tblog.figure_process_ready()`` for a training run that will draw figures: not for ``--help`` or
-    ``--print_config``, nor on a rank other than 0 of a multi-process run (only rank 0 writes TensorBoard)."""
-    argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
-    if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
-        return contextlib.nullcontext()
-    if any(os.environ.get(name, "0") not in ("", "0") for name in ("RANK", "LOCAL_RANK", "NODE_RANK")):
-        return contextlib.nullcontext()
-    from vitlab.tblog import figure_process_ready
-
-    return figure_process_ready()
-
-
-@contextlib.contextmanager
-def frozen_heap():
-    """Keep the objects alive before a fit out of Python's full garbage collections during it.
-
-    ``train.py`` imports torch, Lightning, timm and matplotlib (~600 000 tracked objects) before it trains, and a
-    full (generation-2) collection during the fit walks all of them: 0.36 s in the quickstart's, against 0.09 s
-    for one collection before freezing and none during the fit after. ``gc.freeze()`` after a collection moves
-    the survivors to the permanent generation, as CPython's docs advise for long-lived start-up objects (and
-    before forking loader workers, which then do not copy the pages the collector would touch); objects made
-    during the fit are collected as usual. Unfrozen on exit, so a process that fits several times (a notebook,
-    the tests) frees what an earlier fit left behind.
-    """
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 # ---------------------------------------------------------------------------------------------- output

@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_CLASSES = {"QKVDrift": "vitlab.callbacks.drift", "QKVSnapshot": "vitlab.callbacks.snapshot", "QKSpectra": "vitlab.callbacks.spectra_callback"}
+_CLASSES = {"QKVDrift": "vitlab.callbacks.drift", "QKVSnapshot": "vitlab.callbacks.snapshot", "QKSpectra": "vitlab.callbacks.spectra_callback",
+            "RuntimeCallback": "vitlab.callbacks.runtime"}
 
-__all__ = ["QKVDrift", "QKVSnapshot", "QKSpectra"]
+__all__ = ["QKVDrift", "QKVSnapshot", "QKSpectra", "RuntimeCallback"]
 
 
 def __getattr__(name: str) -> Any:

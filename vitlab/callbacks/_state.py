@@ -102,11 +102,6 @@ class EpochCallback:
             raise ValueError(f"{type(self).__name__}.every_n_epochs must be >= 1, got {every_n_epochs}")
         self.every_n_epochs = every_n_epochs
         self._dir: Path | None = None
-        from vitlab.tblog import FigureCache  # matplotlib: not at import (probe start-up)
-
-        # the figures of the last epoch that drew them, updated by the next one and drawn by vitlab's figure process
-        # while training goes on (teardown, or an exception, waits for the last images before the logger closes)
-        self._figures = FigureCache(background=True)
 
     @property
     def state_key(self) -> str:
@@ -124,16 +119,7 @@ class EpochCallback:
                 "remove the Q/K/V callbacks from trainer.callbacks for this model"
             )
         if self.needs_tensorboard:
-            from vitlab.tblog import require_tensorboard
+            from vitlab.outputs.tensorboard import require_tensorboard
 
             require_tensorboard(trainer, owner)
         self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._figures.clear()
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        try:  # before Lightning finalizes the logger: the images drawn so far are kept
-            self._figures.clear()
-        except Exception:  # a drawing error must not hide the exception that stopped the run
-            pass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +21,9 @@ from vitlab.callbacks._state import (
     snapshot_name,
     unwrap,
 )
-from vitlab.tblog import (
-    FigureCache,
-    add_scalars,
-    epoch_end_step,
-    figures_due,
-    log_figure,
-    save_safetensors,
-    tensorboard_writer,
-    write_csv,
-    write_layout_once,
-)
-from vitlab.figures import heatmap_figure, heatmap_update, local_drift_figure, local_drift_update, update_local_drift_figure  # noqa: F401
+from vitlab.outputs.files import save_safetensors, write_csv
+from vitlab.outputs.tensorboard import add_scalars, epoch_end_step, figures_due, log_figure, tensorboard_writer, write_layout_once
+from vitlab.runtime import figure_worker
 
 DRIFT_METRICS = ("cosine_distance", "euclidean", "mse", "dot")
 MATRIX_METRICS = ("rel_frobenius", "norm_ratio")
@@ -106,26 +96,20 @@ def _log_histograms(writer, rows_ref, step) -> None:
             writer.add_histogram(f"drift_rows/{name}/{m}", values, step)
 
 
-def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True, cache: FigureCache | None = None) -> None:
-    # (build / update: partials of vitlab.figures with numpy arrays, drawn later in the figure process)
+def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True, worker=None) -> None:
+    from vitlab.outputs.figures import Heatmap, LocalDrift
+
     blocks = list(heads)
     for name in DRIFT_METRICS + ("rel_frobenius",):
         grid = np.array([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
-        title = f"{name} vs reference\n(mean over rows), step {step}"
-        log_figure(
-            writer, f"drift_map/{name}", step,
-            partial(heatmap_figure, grid, title=title, xticklabels=blocks, yticklabels=[m.upper() for m in MATRICES], xlabel="block",
-                    figsize=(3.0 + 0.32 * len(blocks), 3.4)),
-            partial(heatmap_update, grid, title, None, None), cache, layout=tuple(blocks),
-        )  # fmt: skip
+        figure = Heatmap(grid, title=f"{name} vs reference\n(mean over rows), step {step}", xticklabels=blocks,
+                         yticklabels=[m.upper() for m in MATRICES], xlabel="block", figsize=(3.0 + 0.32 * len(blocks), 3.4))
+        log_figure(writer, f"drift_map/{name}", step, figure, worker)
     if not local_maps:
         return
     for block in blocks:
         grids = {name: [head_grid(rows_ref[(block, m)][name], heads[block]).double().numpy() for m in MATRICES] for name in LOCAL_METRICS}
-        log_figure(
-            writer, f"drift_local/{block}", step, partial(local_drift_figure, block, grids, step),
-            partial(local_drift_update, block, grids, step), cache, layout=(tuple(grids), grids[LOCAL_METRICS[0]][0].shape),
-        )  # fmt: skip
+        log_figure(writer, f"drift_local/{block}", step, LocalDrift(block, grids, step), worker)
 
 
 def drift_layout() -> dict[str, Any]:
@@ -161,12 +145,13 @@ def report_drift(
     epoch: int = 0,
     local_maps: bool = True,
     figures: bool = True,
-    figure_cache: FigureCache | None = None,
+    figure_worker=None,
 ) -> dict[tuple[str, str], dict[str, float]]:
     """Compute and write one drift report (TensorBoard scalars, histograms, images; optional CSV).
 
     Shared by :class:`QKVDrift` (every epoch) and ``probe.py drift`` (two checkpoints). Returns the
-    per-(block, matrix) summary against ``ref``. ``figure_cache`` keeps the figures for the next report.
+    per-(block, matrix) summary against ``ref``. Figures go through ``figure_worker`` (a
+    :class:`vitlab.runtime.FigureWorker`), else are drawn at once.
     """
     blocks = list(heads)
     rows_ref, sum_ref = drift_tables(ref, cur, blocks)
@@ -175,7 +160,7 @@ def report_drift(
     _log_extras(writer, extra_drift(ref, cur), step)
     _log_histograms(writer, rows_ref, step)
     if figures:
-        _log_images(writer, rows_ref, sum_ref, heads, step, local_maps, figure_cache)
+        _log_images(writer, rows_ref, sum_ref, heads, step, local_maps, figure_worker)
     if table_path is not None:
         write_drift_table(table_path, epoch, rows_ref, heads)
     return sum_ref
@@ -244,8 +229,9 @@ class QKVDrift(EpochCallback, pl.Callback):
         current = qkv_state(model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
-        figures = figures_due(trainer, completed, self.figures_every_n_epochs)
-        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures, self._figures)
+        worker = figure_worker(trainer)
+        figures = worker is not None and figures_due(trainer, completed, self.figures_every_n_epochs)
+        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures, worker)
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

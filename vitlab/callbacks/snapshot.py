@@ -9,7 +9,8 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from vitlab.callbacks._state import EpochCallback, head_counts, qkv_state, snapshot_name, unwrap
-from vitlab.tblog import save_safetensors, tensorboard_writer
+from vitlab.outputs.files import save_safetensors
+from vitlab.outputs.tensorboard import tensorboard_writer
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

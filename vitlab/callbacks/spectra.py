@@ -6,7 +6,6 @@ Shared by the QKSpectra callback (:mod:`vitlab.callbacks.spectra_callback`) and 
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ import torch
 
 from vitlab.analysis import qk_spectra
 from vitlab.callbacks._state import block_stage
-from vitlab.figures import heatmap_figure, heatmap_update, stage_curves_figure, stage_curves_update, update_stage_curves_figure
-from vitlab.tblog import FigureCache, add_scalars, log_figure, write_csv
+from vitlab.outputs.files import write_csv
+from vitlab.outputs.tensorboard import add_scalars, log_figure
 
 SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
 
@@ -38,28 +37,18 @@ def spectra_rows(spectra: dict[str, Any], epoch: int | None = None) -> list[dict
 
 
 def stage_curves(spectra: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """block -> the head-summed spectra :func:`vitlab.figures.stage_curves_figure` plots, as numpy arrays."""
+    """block -> the head-summed spectra :class:`vitlab.outputs.figures.StageCurves` plots, as numpy arrays."""
     return {b: tuple(v[0].double().cpu().numpy() for v in (s.summed.sym_eigvals, s.summed.asym_imag, s.summed.singular_values))
             for b, s in spectra.items()}
 
 
-def stage_figure(stage: str, spectra: dict[str, Any]):
-    """Seed 002's Fig. 5 for one stage (:func:`vitlab.figures.stage_curves_figure`) from ``qk_spectra`` results."""
-    return stage_curves_figure(stage, stage_curves(spectra))
-
-
-def update_stage_figure(fig, spectra: dict[str, Any]) -> None:
-    """New spectra (same blocks and sizes) in a :func:`stage_figure`: the pixels a new one would have."""
-    update_stage_curves_figure(fig, stage_curves(spectra))
-
-
 def report_spectra(
     writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True,
-    figure_cache: FigureCache | None = None,
+    figure_worker=None,
 ) -> None:
     """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV).
 
-    ``figure_cache`` keeps the figures for the next report (see :class:`vitlab.tblog.FigureCache`)."""
+    Figures go through ``figure_worker`` (a :class:`vitlab.runtime.FigureWorker`), else are drawn at once."""
     scalars = {}
     for block, s in spectra.items():
         for name in SCALARS:
@@ -67,37 +56,22 @@ def report_spectra(
             scalars[f"spectra_summed/{name}/{block}"] = float(getattr(s.summed, name)[0])
     add_scalars(writer, scalars, step)
     if figures:
+        from vitlab.outputs.figures import Heatmap, StageCurves
+
         by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
         for block, s in spectra.items():
             by_stage[block_stage(block)][block] = s
-        for stage, group in by_stage.items():  # (partials of vitlab.figures with numpy arrays: drawn in the figure process)
-            curves = stage_curves(group)
-            log_figure(writer, f"spectra_figure/{stage}", step, partial(stage_curves_figure, stage, curves),
-                       partial(stage_curves_update, curves), figure_cache,
-                       layout=tuple((b, *(len(v) for v in values)) for b, values in curves.items()))
+        for stage, group in by_stage.items():
+            log_figure(writer, f"spectra_figure/{stage}", step, StageCurves(stage, stage_curves(group)), figure_worker)
         max_heads = max(len(s.positive_mass) for s in spectra.values())
         grid = np.full((len(spectra), max_heads), np.nan)
         for i, s in enumerate(spectra.values()):
             grid[i, : len(s.positive_mass)] = s.positive_mass.double().cpu().numpy()
-        blocks = list(spectra)
-        title = f"positive mass of sym(W_Q W_K^T), step {step}"
-        build = partial(
-            heatmap_figure,
-            grid,
-            title=title,
-            xlabel="head (white: the block has fewer heads)",
-            ylabel="block",
-            xticklabels=[str(h) for h in range(max_heads)],
-            yticklabels=blocks,
-            cmap="coolwarm",
-            vmin=0.0,
-            vmax=1.0,
-            colorbar_label="positive mass [0, 1]",
-            nan_color="white",
-            figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(blocks)),
-        )
-        log_figure(writer, "spectra_heads/positive_mass", step, build, partial(heatmap_update, grid, title, 0.0, 1.0), figure_cache,
-                   layout=(tuple(blocks), max_heads))
+        figure = Heatmap(grid, title=f"positive mass of sym(W_Q W_K^T), step {step}", xlabel="head (white: the block has fewer heads)",
+                         ylabel="block", xticklabels=[str(h) for h in range(max_heads)], yticklabels=list(spectra), cmap="coolwarm",
+                         vmin=0.0, vmax=1.0, colorbar_label="positive mass [0, 1]", nan_color="white",
+                         figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(spectra)))
+        log_figure(writer, "spectra_heads/positive_mass", step, figure, figure_worker)
     if table_path is not None:
         write_csv(table_path, spectra_rows(spectra, epoch))
 

@@ -8,7 +8,8 @@ import pytorch_lightning as pl
 
 from vitlab.callbacks._state import EpochCallback, head_counts, qkv_state, unwrap
 from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout
-from vitlab.tblog import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
+from vitlab.outputs.tensorboard import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
+from vitlab.runtime import figure_worker
 
 
 class QKSpectra(EpochCallback, pl.Callback):
@@ -53,8 +54,9 @@ class QKSpectra(EpochCallback, pl.Callback):
         spectra = block_spectra(qkv_state(model), head_counts(model))
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
-        figures = figures_due(trainer, epoch, self.figures_every_n_epochs)
-        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures, self._figures)
+        worker = figure_worker(trainer)
+        figures = worker is not None and figures_due(trainer, epoch, self.figures_every_n_epochs)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures, worker)
         write_layout_once(trainer)
         self.logged_epochs.append(epoch)
 

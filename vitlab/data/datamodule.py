@@ -18,6 +18,7 @@ from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.io import ImageReader, ReadOptions
 from vitlab.data.layouts import SPLITS, UNLABELLED, Sample, check_files, patient_overlap, scan, split_by_patient
+from vitlab.data.sampling import EpochSampler, KeyedAugmentation
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
 
 
@@ -42,7 +43,8 @@ class MedicalDataModule(pl.LightningDataModule):
         image_size: Side of the square model input in pixels.
         in_chans: 1 (grayscale) or 3 (colour; grayscale images are replicated).
         batch_size: Images per batch.
-        num_workers: DataLoader worker processes (0 = load in the main process).
+        num_workers: DataLoader worker processes (0 = load in the main process); they change the speed, never the
+            batches. ``train.py`` sets it from ``runtime.workers``.
         window: Window preset name (see ``vitlab.data.io.WINDOW_PRESETS``); None -> file tags / min-max.
         window_center: Explicit window center (HU for CT); needs ``window_width``.
         window_width: Explicit window width.
@@ -82,7 +84,7 @@ class MedicalDataModule(pl.LightningDataModule):
         image_size: int = 224,
         in_chans: int = 1,
         batch_size: int = 32,
-        num_workers: int = 2,
+        num_workers: int = 0,
         window: str | None = None,
         window_center: float | None = None,
         window_width: float | None = None,
@@ -242,7 +244,7 @@ class MedicalDataModule(pl.LightningDataModule):
         self._prepare()
         trainer = self.trainer
         if trainer is not None and not self._skips_logged:
-            from vitlab.tblog import resume_step
+            from vitlab.outputs.tensorboard import resume_step
 
             step = resume_step(trainer)  # 0, or the step a resumed run continues from (no second point at 0)
             for logger in trainer.loggers:
@@ -263,29 +265,25 @@ class MedicalDataModule(pl.LightningDataModule):
             memory=self.memory, deterministic=not augmented,
         )  # fmt: skip
 
-    @property
-    def worker_processes(self) -> int:
-        """Loader worker processes each loader runs: ``num_workers`` within the cores, none on a CPU-only
-        machine of two cores (:func:`vitlab.threads.loader_workers`); torch's threads take the other cores."""
-        from vitlab.threads import loader_workers
-
-        return loader_workers(self.num_workers)
+    collate_fn = None  # (the dense data module's batches of targets)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        workers = self.worker_processes
+        """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,
+        whatever ``num_workers`` (see :mod:`vitlab.data.sampling`)."""
+        dataset = self.dataset(split, augmented=train)
+        sampler = None
+        if train:
+            epoch_of = lambda: self.trainer.current_epoch if self.trainer is not None else None  # noqa: E731
+            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, epoch_of=epoch_of)
+            dataset = KeyedAugmentation(dataset, self.seed)
+        workers = self.num_workers
         if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever
             import cv2
 
             cv2.setNumThreads(1)
         return DataLoader(
-            self.dataset(split, augmented=train),
-            batch_size=self.batch_size,
-            shuffle=train,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-            worker_init_fn=seed_worker,
-            generator=torch.Generator().manual_seed(self.seed),
+            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
         )
 
     def train_dataloader(self) -> DataLoader:

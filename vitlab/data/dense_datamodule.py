@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-from torch.utils.data import DataLoader
-
 from vitlab.data.datamodule import MedicalDataModule
 from vitlab.data.dense import DenseDataset, check_masks, dense_collate, scan_coco
 from vitlab.data.layouts import Sample
-from vitlab.data.transforms import seed_worker
 
 
 class DenseDataModule(MedicalDataModule):
@@ -40,6 +36,7 @@ class DenseDataModule(MedicalDataModule):
         if not self.mask_classes:
             raise ValueError("mask_classes must name at least one foreground class")
         self.num_mask_classes = len(self.mask_classes)
+        self.collate_fn = dense_collate
 
     def _prepare(self) -> list[Sample]:
         if self._samples is not None:
@@ -58,22 +55,3 @@ class DenseDataModule(MedicalDataModule):
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
             memory=self.memory,
         )  # fmt: skip
-
-    @property
-    def worker_processes(self) -> int:
-        """``num_workers`` as configured: the detection and segmentation quickstarts' figures were measured with
-        their loader workers beside one torch thread (their random augmentation streams depend on it)."""
-        return self.num_workers
-
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        return DataLoader(
-            self.dataset(split, augmented=train),
-            batch_size=self.batch_size,
-            shuffle=train,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-            worker_init_fn=seed_worker,
-            generator=torch.Generator().manual_seed(self.seed),
-            collate_fn=dense_collate,
-        )

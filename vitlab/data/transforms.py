@@ -2,8 +2,8 @@
 
 Every pipeline ends with a resize to ``image_size`` x ``image_size`` and
 ``Normalize(max_pixel_value=1.0)`` with one mean/std entry per channel, also after a
-user-supplied ``Compose``. Albumentations' ``Compose`` keeps its own random generator, which
-forked DataLoader workers copy verbatim: :func:`seed_worker` reseeds it in each worker.
+user-supplied ``Compose``. Albumentations' ``Compose`` keeps its own random generator: the training loader
+seeds it for every sample from (seed, epoch, index) (:mod:`vitlab.data.sampling`).
 """
 
 from __future__ import annotations
@@ -136,14 +136,11 @@ def _flatten(transform: A.BasicTransform | A.BaseCompose) -> list:
 
 
 def seed_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: one OpenCV thread; reseed Python, NumPy and the dataset's albumentations RNG.
+    """DataLoader ``worker_init_fn``: one OpenCV thread; Python's and NumPy's global generators seeded per worker.
 
-    ``torch.initial_seed()`` differs per worker (base seed + worker id), so workers draw
-    different augmentations while a fixed DataLoader generator keeps runs reproducible.
-    A worker is one of the processes sized to the cores (``vitlab.threads``) and torch already runs it on one
-    thread; OpenCV (albumentations' backend) would otherwise start one thread per core in every worker, which
-    on small images buys no time and takes a core from the training process (a quickstart batch: 3.4 ms either
-    way, 6.8 CPU-ms with OpenCV's default threads, 3.4 with one).
+    OpenCV (albumentations' backend) would start a thread per core in every worker, competing with the training
+    process for the cores. The augmentations themselves are seeded per sample (:mod:`vitlab.data.sampling`), so
+    they do not depend on which worker loads a sample.
     """
     import cv2
 
@@ -151,7 +148,3 @@ def seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
-    info = torch.utils.data.get_worker_info()
-    transform = getattr(info.dataset, "transform", None) if info is not None else None
-    if transform is not None and hasattr(transform, "set_random_seed"):
-        transform.set_random_seed(seed)

@@ -11,7 +11,7 @@ import torch
 from vitlab import models
 from vitlab.probes.common import ImageBatch, ProbeContext, add_common_arguments, load_images
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
-from vitlab.tblog import write_csv
+from vitlab.outputs.files import write_csv
 
 HELP = """Ablation survey (Attentionless article): invert each layer of the intact and of the ablated model, side by side.
 

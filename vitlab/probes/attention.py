@@ -15,8 +15,9 @@ from vitlab.analysis.rollout import attention_rollout, pool_tokens, rollout_map
 from vitlab.analysis.stats import AngleStats, attention_vs_angle
 from vitlab.probes.activations import add_recording_arguments, block_label, record_batches, require_attention, selected_blocks
 from vitlab.probes.common import add_common_arguments
-from vitlab.tbimage import hstack_panels, vstack_panels
-from vitlab.tblog import heatmap_figure, write_csv
+from vitlab.outputs.images import hstack_panels, vstack_panels
+from vitlab.outputs.figures import heatmap_figure
+from vitlab.outputs.files import write_csv
 
 HELP = """Attention maps per block and head on the image, attention rollout, and attention vs patch angle (Philip et al.).
 

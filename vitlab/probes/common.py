@@ -2,7 +2,7 @@
 
 A subcommand is a module in :mod:`vitlab.probes` with ``HELP`` (one line + example), ``add_arguments(parser)``
 and ``run(ctx: ProbeContext) -> None``; it reads models and images through the context and writes through
-``ctx.writer`` (TensorBoard) and :mod:`vitlab.tblog` (tables) into ``ctx.out``.
+``ctx.writer`` (TensorBoard) and :mod:`vitlab.outputs.files` (tables) into ``ctx.out``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from vitlab.callbacks._state import MATRICES, block_stage, head_counts, load_sna
 from vitlab.callbacks.drift import drift_layout, report_drift
 from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout
 from vitlab.probes.common import add_model_arguments, load_model, newest_checkpoint, run_label
-from vitlab.tblog import write_csv
+from vitlab.outputs.files import write_csv
 
 HELP = """Compare the Q/K/V weights of two checkpoints (Drotos poster): per-row cosine distance, Euclidean, MSE, dot.
 

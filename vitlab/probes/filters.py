@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from vitlab import models
 from vitlab.probes.common import ProbeContext, add_common_arguments, add_model_arguments
 from vitlab.probes.invert import enlarge
-from vitlab.tbimage import colorize, hstack_panels, image_grid
-from vitlab.tblog import write_csv, write_json
+from vitlab.outputs.images import colorize, hstack_panels, image_grid
+from vitlab.outputs.files import write_csv, write_json
 
 HELP = """Patch-embedding filters (min-max grid, top PCA components) and position-embedding similarity (Attentionless article).
 

@@ -24,8 +24,8 @@ from torch import nn
 from vitlab import models
 from vitlab.analysis.inversion import SEED_SIGMAS, InversionResult, invert, sigma_label, with_normalization
 from vitlab.probes.common import ImageBatch, ProbeContext, add_common_arguments, progress
-from vitlab.tbimage import image_grid
-from vitlab.tblog import write_csv, write_json
+from vitlab.outputs.images import image_grid
+from vitlab.outputs.files import write_csv, write_json
 
 HELP = """Invert layer representations (Attentionless article): find an image whose layer output matches the original's.
 

@@ -16,7 +16,7 @@ import torch
 from vitlab.analysis.mi import binned_mi, gaussian_copula_mi, ksg_mi, mi_vs_distance
 from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, canonical_sites, block_label, record_batches, selected_blocks
 from vitlab.probes.common import add_common_arguments, progress
-from vitlab.tblog import write_csv
+from vitlab.outputs.files import write_csv
 
 HELP = """Mutual information between neurons against spatial distance, per block and sub-layer (Philip et al., Fig. 4).
 

@@ -12,7 +12,7 @@ import torch
 from vitlab.analysis.moments import Moments, central_moments, merge_moments
 from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, canonical_sites, record_batches, selected_blocks
 from vitlab.probes.common import add_common_arguments
-from vitlab.tblog import write_csv
+from vitlab.outputs.files import write_csv
 
 HELP = """Excess kurtosis of every neuron and activation histograms, per block and sub-layer (Philip et al.).
 

@@ -7,7 +7,7 @@ import argparse
 from vitlab import models
 from vitlab.probes.common import ProbeContext, add_common_arguments
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
-from vitlab.tblog import write_json
+from vitlab.outputs.files import write_json
 
 HELP = """Give trained parts to a fresh untrained model, then invert both (the Attentionless article's embedding / LayerNorm experiments).
 

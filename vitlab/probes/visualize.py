@@ -19,8 +19,8 @@ from vitlab.analysis.featurevis import (
 from vitlab.analysis.inversion import with_normalization
 from vitlab.probes.common import ProbeContext, add_common_arguments, progress
 from vitlab.probes.invert import enlarge
-from vitlab.tbimage import image_grid
-from vitlab.tblog import write_csv
+from vitlab.outputs.images import image_grid
+from vitlab.outputs.files import write_csv
 
 HELP = """Generate inputs that drive a class logit to a target (Attentionless article) or maximise one MLP hidden unit (Ghiasi et al. 2022).
 

@@ -64,54 +64,21 @@ class TaskModule(pl.LightningModule):
             best = self.best_val.get(name)
             self.best_val[name] = value if best is None else max(best, value)
 
-    def on_train_start(self) -> None:
-        """Whether the figure process is paused during each training and validation step: when the run trains on
-        the CPU and torch's threads and the loader workers take every core (a 2-core machine; not beside a GPU,
-        where the CPU has cores to spare). Between the steps it draws while the next batch loads, and at epoch
-        ends and checkpoints; every wait for figures resumes it. Drawing beside the steps at idle priority, it
-        still cost the quickstart's steps about 1.5 s of a 24 s fit."""
-        from vitlab.threads import available_cores
-
-        workers = getattr(getattr(self.trainer, "datamodule", None), "worker_processes", 0) or 0
-        self._pause_figures = self.device.type == "cpu" and torch.get_num_threads() + workers >= available_cores()
-
-    def _figures_paused(self, paused: bool) -> None:
-        if getattr(self, "_pause_figures", False):
-            from vitlab.tblog import pause_figures, resume_figures
-
-            pause_figures() if paused else resume_figures()
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._figures_paused(True)
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._figures_paused(False)
-
-    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._figures_paused(True)
-
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._figures_paused(False)
+    def validation_figures(self) -> dict[str, Any]:
+        """Figures of the last validation (tag -> :mod:`vitlab.outputs.figures` object), drawn by the run's
+        :class:`vitlab.callbacks.RuntimeCallback` when figures are due; none by default."""
+        return {}
 
     def on_fit_end(self) -> None:
         """Log hyperparameters together with the best validation metrics (no placeholder ``hp_metric``)."""
         if not self.best_val:
             return
         metrics = {f"hp/best_val_{k}": v for k, v in self.best_val.items()}
-        from vitlab.tblog import logging_step
+        from vitlab.outputs.tensorboard import logging_step
 
         step = max(logging_step(self.trainer) - 1, 0)  # the last epoch's step: a resumed run adds a point, not a duplicate
         for logger in self.loggers:
             logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
-
-    def teardown(self, stage: str) -> None:
-        """Write the images still being drawn by the figure process (the confusion matrix) before the logger closes."""
-        from vitlab.tblog import close_writer_figures
-
-        for logger in getattr(self._trainer, "loggers", None) or []:
-            writer = getattr(logger, "_experiment", None)  # (not .experiment: that would open a writer)
-            if writer is not None:
-                close_writer_figures(writer)
 
     def optimizer_groups(self) -> list[dict]:
         """AdamW groups of ``self.model`` (:func:`vitlab.models.parameter_groups`: no weight decay on norms, biases,

@@ -185,7 +185,6 @@ class DINOModule(TaskModule):
         self.head.cancel_last_layer_gradients(self.current_epoch)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        super().on_train_batch_end(outputs, batch, batch_idx)
         m = self.momentum()
         update_momentum(self.model, self.teacher_model, m)
         update_momentum(self.head, self.teacher_head, m)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -16,8 +15,6 @@ from torchmetrics.classification import (
 )
 
 from vitlab import models
-from vitlab.figures import CONFUSION_TITLE, confusion_matrix_figure, heatmap_update
-from vitlab.tblog import figures_due, log_figure, logging_step, tensorboard_writer, writer_figures
 from vitlab.training.base import TaskModule, warmup_cosine
 
 __all__ = ["ClassificationModule", "warmup_cosine"]
@@ -132,17 +129,18 @@ class ClassificationModule(TaskModule):
         values = self.val_metrics.compute()
         self.log_dict(values, prog_bar=False, sync_dist=True)
         self.val_metrics.reset()
-        confusion = self.val_confusion.compute().cpu()  # (K, K) rows = true class
+        self._confusion = self.val_confusion.compute().cpu().numpy()  # (K, K) rows = true class
         self.val_confusion.reset()
         if self.trainer.sanity_checking:
             return
         self._track_best(values)
-        if self.trainer.is_global_zero and figures_due(self.trainer, self.current_epoch + 1):
-            writer = tensorboard_writer(self.trainer)
-            if writer is not None:  # at val/*'s step; the figure is kept with the writer and updated next time
-                names, counts = list(self.class_names), confusion.numpy()  # (drawn in the figure process)
-                log_figure(writer, "val/confusion_matrix", logging_step(self.trainer), partial(confusion_matrix_figure, counts, names),
-                           partial(heatmap_update, counts, CONFUSION_TITLE, None, None), writer_figures(writer), tuple(names))
+
+    def validation_figures(self) -> dict[str, Any]:
+        if getattr(self, "_confusion", None) is None:
+            return {}
+        from vitlab.outputs.figures import confusion_matrix
+
+        return {"val/confusion_matrix": confusion_matrix(self._confusion, self.class_names)}
 
     def test_step(self, batch, batch_idx: int) -> None:
         self._step(batch, self.test_metrics, "test")

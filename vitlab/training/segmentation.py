@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import matplotlib
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassJaccardIndex
+from torchmetrics.segmentation import DiceScore
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torchmetrics.classification import MulticlassJaccardIndex  # noqa: E402
-from torchmetrics.segmentation import DiceScore  # noqa: E402
-
-from vitlab import models  # noqa: E402
-from vitlab.tblog import tensorboard_writer  # noqa: E402
-from vitlab.training.base import TaskModule  # noqa: E402
+from vitlab import models
+from vitlab.training.base import TaskModule
 
 
 def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
@@ -25,30 +20,6 @@ def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, eps: float = 1.0)
     inter = (probs * onehot).sum(dim=(0, 2, 3))
     total = probs.sum(dim=(0, 2, 3)) + onehot.sum(dim=(0, 2, 3))
     return 1.0 - ((2 * inter + eps) / (total + eps)).mean()
-
-
-def overlay_figure(images: torch.Tensor, truth: torch.Tensor, pred: torch.Tensor, class_names: list[str]):
-    """Rows of ``image | ground truth | prediction`` (labels overlaid in colour on the image)."""
-    rows = len(images)
-    fig, axes = plt.subplots(rows, 3, figsize=(6, 2 * rows), squeeze=False)
-    cmap = matplotlib.colormaps["tab10"]
-    for r in range(rows):
-        img = images[r, 0].float().cpu().numpy()  # (S, S) first channel
-        img = (img - img.min()) / (img.max() - img.min() + 1e-8)
-        for c, (title, labels) in enumerate((("image", None), ("ground truth", truth[r]), ("prediction", pred[r]))):
-            ax = axes[r, c]
-            ax.imshow(img, cmap="gray")
-            if labels is not None:
-                lab = labels.cpu().numpy()
-                colours = cmap(lab % 10)
-                colours[..., 3] = 0.45 * (lab > 0)
-                ax.imshow(colours)
-            ax.set_axis_off()
-            if r == 0:
-                ax.set_title(title, fontsize=9)
-    fig.suptitle("classes: " + ", ".join(f"{i + 1}={n}" for i, n in enumerate(class_names)), fontsize=8)
-    fig.tight_layout()
-    return fig
 
 
 class SegmentationModule(TaskModule):
@@ -161,9 +132,14 @@ class SegmentationModule(TaskModule):
         if self.trainer.sanity_checking:
             return
         self._track_best(values)
-        writer = tensorboard_writer(self.trainer) if self.trainer.is_global_zero else None
-        if writer is not None and self._grid is not None:
-            writer.add_figure("val/segmentation", overlay_figure(*self._grid, self.class_names), self.current_epoch)
+
+    def validation_figures(self) -> dict[str, Any]:
+        if self._grid is None:
+            return {}
+        from vitlab.outputs.figures import SegmentationOverlay
+
+        images, truth, pred = self._grid
+        return {"val/segmentation": SegmentationOverlay(images[:, 0].float().numpy(), truth.numpy(), pred.numpy(), list(self.class_names))}
 
     def test_step(self, batch, batch_idx: int) -> None:
         images, targets = batch

@@ -1,25 +1,20 @@
-"""The figures vitlab logs during training, and the process that draws them beside it.
+"""The figures vitlab logs, as picklable objects, and the store that keeps and redraws them.
 
-numpy and matplotlib only (no torch, no Lightning): the training run's figures are built, updated and drawn in
-a separate low-priority process (:class:`FigureProcess`) that imports this module and nothing heavier. Drawing
-them on a thread of the training process cost 4-5 s of a 27 s quickstart fit: matplotlib is Python code and held
-the interpreter's lock between the training thread's operations.
-
-A figure is described by two picklable callables: ``build()`` makes it, ``update(fig)`` puts new values in it
-(``functools.partial`` of this module's functions with numpy arrays). :class:`FigureStore` keeps each tag's
-figure, updates it instead of building it again, and rasterises only the artists marked :func:`redrawn` over a
-background drawn once (blitting: matplotlib's ``copy_from_bbox`` / ``restore_region``). The images are the
-ones new figures would give, pixel for pixel (tests compare them).
+numpy and matplotlib only (no torch, no Lightning), so that the figure worker process (:mod:`vitlab.runtime`)
+imports nothing heavier. A figure kind is one object (:class:`Heatmap`, :class:`LocalDrift`,
+:class:`StageCurves`, :class:`SegmentationOverlay`) holding its values as numpy arrays; ``build()`` makes the
+matplotlib figure, ``update(fig)`` puts the object's values into a figure built for the same ``layout()``.
+:class:`FigureStore` keeps each tag's figure between the epochs that draw it, updates it instead of building
+it again, and rasterises only the artists marked :func:`redrawn` over a background drawn once (blitting:
+matplotlib's ``copy_from_bbox`` / ``restore_region``). The images are those new figures would give, pixel for
+pixel (tested). Why both reuse and a separate process: ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
 import io
-import os
-import pickle
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import matplotlib
@@ -151,26 +146,6 @@ def update_heatmap(fig, matrix: Any, *, title: str = "", vmin: float | None = No
     ax.set_title(title, fontsize=9)  # (the layout holds for any values: see _layout_for_any_values)
 
 
-def heatmap_update(matrix: Any, title: str, vmin: float | None, vmax: float | None, fig) -> None:
-    """:func:`update_heatmap` with the figure last (``partial(heatmap_update, matrix, title, vmin, vmax)``)."""
-    update_heatmap(fig, matrix, title=title, vmin=vmin, vmax=vmax)
-
-
-def confusion_matrix_figure(confusion: Any, class_names: Sequence[str]):
-    """Confusion matrix (rows: true class, columns: predicted) with counts written in each cell."""
-    return heatmap_figure(
-        confusion,
-        title=CONFUSION_TITLE,
-        xlabel="predicted",
-        ylabel="true",
-        xticklabels=class_names,
-        yticklabels=class_names,
-        cmap="Blues",
-        annotate=True,
-        figsize=(2.5 + 0.6 * len(class_names), 2.0 + 0.5 * len(class_names)),
-    )
-
-
 # ---------------------------------------------------------------------------------------- Q/K/V drift, spectra
 def local_drift_figure(block: str, grids: dict[str, list[Any]], step: int):
     """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
@@ -219,11 +194,6 @@ def update_local_drift_figure(fig, block: str, grids: dict[str, list[Any]], step
         cbar.set_ticks([0.0, vmax / 2, vmax])
         cbar.set_label(f"{name.replace('_', ' ')} [0, {vmax:.3g}]", fontsize=7)
     fig.suptitle(f"{block}: per-row drift vs reference, step {step}", fontsize=10)
-
-
-def local_drift_update(block: str, grids: dict[str, list[Any]], step: int, fig) -> None:
-    """:func:`update_local_drift_figure` with the figure last (for ``functools.partial``)."""
-    update_local_drift_figure(fig, block, grids, step)
 
 
 def stage_curves_figure(stage: str, curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]):
@@ -284,12 +254,166 @@ def update_stage_curves_figure(fig, curves: dict[str, tuple[np.ndarray, np.ndarr
     _round_y_limits(fig)
 
 
-def stage_curves_update(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], fig) -> None:
-    """:func:`update_stage_curves_figure` with the figure last (for ``functools.partial``)."""
-    update_stage_curves_figure(fig, curves)
+# ------------------------------------------------------------------------------------------- keeping, drawing
+# ---------------------------------------------------------------------------------------------- figure kinds
+class Figure:
+    """A figure kind: values (numpy arrays, plain types: picklable for the figure worker) and how to draw them.
+
+    ``layout()`` names what fixes the figure's structure (blocks, heads, shapes, tick labels): a kept figure is
+    updated in place only for an equal layout; ``None`` (the default) builds a new figure every time."""
+
+    def layout(self) -> Hashable | None:
+        return None
+
+    def build(self):
+        raise NotImplementedError
+
+    def update(self, fig) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Heatmap(Figure):
+    """A 2-D array as a labelled heatmap with a colour bar (rows top to bottom; NaN cells in ``nan_color``);
+    ``annotate`` writes each cell's value. ``vmin`` / ``vmax`` None: the data's range."""
+
+    matrix: Any
+    title: str = ""
+    xlabel: str = ""
+    ylabel: str = ""
+    xticklabels: Sequence[str] | None = None
+    yticklabels: Sequence[str] | None = None
+    cmap: str = "viridis"
+    annotate: bool = False
+    colorbar_label: str = ""
+    figsize: tuple[float, float] | None = None
+    vmin: float | None = None
+    vmax: float | None = None
+    nan_color: str = "0.75"
+
+    def layout(self) -> Hashable:
+        ticks = tuple(tuple(t) if t is not None else None for t in (self.xticklabels, self.yticklabels))
+        return (np.shape(self.matrix), ticks, self.xlabel, self.ylabel, self.cmap, self.annotate, self.colorbar_label,
+                self.figsize, self.nan_color)
+
+    def build(self):
+        return heatmap_figure(self.matrix, title=self.title, xlabel=self.xlabel, ylabel=self.ylabel, xticklabels=self.xticklabels,
+                              yticklabels=self.yticklabels, cmap=self.cmap, annotate=self.annotate, colorbar_label=self.colorbar_label,
+                              figsize=self.figsize, vmin=self.vmin, vmax=self.vmax, nan_color=self.nan_color)
+
+    def update(self, fig) -> None:
+        update_heatmap(fig, self.matrix, title=self.title, vmin=self.vmin, vmax=self.vmax)
+
+
+def confusion_matrix(counts: Any, class_names: Sequence[str]) -> Heatmap:
+    """Confusion matrix (rows: true class, columns: predicted) with the count written in each cell."""
+    names = list(class_names)
+    return Heatmap(as_array(counts), title=CONFUSION_TITLE, xlabel="predicted", ylabel="true", xticklabels=names,
+                   yticklabels=names, cmap="Blues", annotate=True, figsize=(2.5 + 0.6 * len(names), 2.0 + 0.5 * len(names)))
+
+
+@dataclass
+class LocalDrift(Figure):
+    """Seed 000's within-matrix map of one block: ``grids`` metric -> [(heads, rows in head)] for Q, K, V."""
+
+    block: str
+    grids: dict[str, list[Any]]
+    step: int
+
+    def layout(self) -> Hashable:
+        return tuple(self.grids), np.shape(next(iter(self.grids.values()))[0])
+
+    def build(self):
+        return local_drift_figure(self.block, self.grids, self.step)
+
+    def update(self, fig) -> None:
+        update_local_drift_figure(fig, self.block, self.grids, self.step)
+
+
+@dataclass
+class StageCurves(Figure):
+    """Seed 002's Fig. 5 for one stage: ``curves`` block -> (symmetric-part eigenvalues, antisymmetric lambda,
+    singular values) of the head-summed W_Q W_K^T, each descending."""
+
+    stage: str
+    curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+    def layout(self) -> Hashable:
+        return tuple((b, *(len(v) for v in values)) for b, values in self.curves.items())
+
+    def build(self):
+        return stage_curves_figure(self.stage, self.curves)
+
+    def update(self, fig) -> None:
+        update_stage_curves_figure(fig, self.curves)
+
+
+@dataclass
+class SegmentationOverlay(Figure):
+    """Rows of ``image | ground truth | prediction``: ``images`` (N, S, S) first channel, ``truth`` / ``pred``
+    (N, S, S) label maps, overlaid in colour (class i in tab10 colour i)."""
+
+    images: np.ndarray
+    truth: np.ndarray
+    pred: np.ndarray
+    class_names: list[str] = field(default_factory=list)
+
+    def build(self):
+        rows = len(self.images)
+        fig = new_figure((6, 2 * rows))
+        axes = fig.subplots(rows, 3, squeeze=False)
+        cmap = matplotlib.colormaps["tab10"]
+        for r in range(rows):
+            img = np.asarray(self.images[r], dtype=float)  # (S, S)
+            img = (img - img.min()) / (img.max() - img.min() + 1e-8)
+            for c, (title, labels) in enumerate((("image", None), ("ground truth", self.truth[r]), ("prediction", self.pred[r]))):
+                ax = axes[r, c]
+                ax.imshow(img, cmap="gray")
+                if labels is not None:
+                    lab = np.asarray(labels)
+                    colours = cmap(lab % 10)
+                    colours[..., 3] = 0.45 * (lab > 0)
+                    ax.imshow(colours)
+                ax.set_axis_off()
+                if r == 0:
+                    ax.set_title(title, fontsize=9)
+        fig.suptitle("classes: " + ", ".join(f"{i + 1}={n}" for i, n in enumerate(self.class_names)), fontsize=8)
+        fig.tight_layout()
+        return fig
 
 
 # ------------------------------------------------------------------------------------------- keeping, drawing
+class FigureStore:
+    """Figures kept by tag: ``render`` builds a tag's figure the first time (or for a new layout), else updates
+    it, and returns its image as PNG bytes; ``builds`` counts the builds per tag."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, _Kept] = {}
+        self.builds: dict[str, int] = {}
+
+    def render(self, tag: str, figure: Figure) -> tuple[bytes, bool]:
+        """PNG of the tag's figure with ``figure``'s values, and whether it was built."""
+        layout = figure.layout()
+        kept = self.figures.get(tag)
+        built = kept is None or layout is None or kept.layout != layout
+        if built:
+            fig = figure.build()
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)  # keeps text metrics
+            self.figures[tag] = kept = _Kept(canvas, layout)
+            self.builds[tag] = self.builds.get(tag, 0) + 1
+        else:
+            figure.update(kept.canvas.figure)
+        _draw(kept)
+        return png(np.asarray(kept.canvas.buffer_rgba())[:, :, :3]), built
+
+
+def render_png(figure: Figure) -> bytes:
+    """PNG bytes of a figure drawn once (nothing kept)."""
+    return FigureStore().render("", figure)[0]
+
+
 class _Kept:
     """A kept figure: its canvas, the layout it was built for, its redrawn artists and static background."""
 
@@ -303,40 +427,11 @@ class _Kept:
         self.backgrounds = 0  # how many times the static background was drawn
 
 
-class FigureStore:
-    """Figures kept by tag: ``render`` builds a tag's figure the first time (or for a new ``layout``), else
-    updates it, and returns its image as PNG bytes; ``builds`` counts the builds per tag."""
-
-    def __init__(self) -> None:
-        self.figures: dict[str, _Kept] = {}
-        self.builds: dict[str, int] = {}
-
-    def render(self, tag: str, build: Callable[[], Any], update: Callable[[Any], None], layout: Any = None) -> tuple[bytes, bool]:
-        """PNG of the tag's figure with the new values, and whether it was built."""
-        kept = self.figures.get(tag)
-        built = kept is None or kept.layout != layout
-        if built:
-            fig = build()
-            if fig.canvas.manager is not None:  # a pyplot figure: kept here, not among pyplot's open figures
-                import matplotlib.pyplot as plt
-
-                plt.close(fig)
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-            canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)  # keeps text metrics
-            self.figures[tag] = kept = _Kept(canvas, layout)
-            self.builds[tag] = self.builds.get(tag, 0) + 1
-        else:
-            update(kept.canvas.figure)
-        _draw(kept)
-        return png(np.asarray(kept.canvas.buffer_rgba())[:, :, :3]), built
-
-
 def _draw(kept: _Kept) -> None:
     """Rasterise a kept figure: whole, or its redrawn artists over the kept static background."""
     canvas, fig = kept.canvas, kept.canvas.figure
     if not kept.animated:
-        canvas.draw()  # what add_figure does, on a new canvas each time
+        canvas.draw()
         return
     static_key = fig.__dict__.get("_vitlab_static_key")
     if kept.background is None or static_key != kept.static_key:
@@ -375,224 +470,11 @@ def png(rgb: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-# ---------------------------------------------------------------------------------------- the figure process
-_STORES: dict[Any, FigureStore] = {}  # in the figure process: one store per cache of the training process
-
-
-def _process_init() -> None:
-    """The figure process draws with the cycles training leaves: Linux's ``SCHED_IDLE`` policy (it runs only when
-    no other task wants a core), else the largest nice value. On a busy machine it may barely run: a flush that
-    waits too long draws the rest in the training process (see ``vitlab.tblog.FigureCache``). Ctrl-C in a
-    terminal reaches the whole process group: the training process handles it (and ends this one when done)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _end_with_parent()
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.nice(19)
-    except (AttributeError, OSError):
-        pass
-
-
-_PAUSABLE = sys.platform.startswith("linux")  # FigureProcess.pause: SIGSTOP, and the parent-death signal
-
-
-def _end_with_parent() -> None:
-    """Linux: the kernel kills this process when the training process ends, even a stopped one (see
-    :meth:`FigureProcess.pause`), which would never read the end of its input: a training run killed with
-    SIGKILL while its figure process was paused left it behind."""
-    if not _PAUSABLE:
-        return
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    parent = os.environ.get("VITLAB_FIGURE_PARENT")
-    if parent and os.getppid() != int(parent):  # it ended before the line above
-        os._exit(0)
-
-
-def _process_render(cache: Any, tag: str, build, update, layout: Any) -> tuple[bytes, bool, int]:
-    png_bytes, built = _STORES.setdefault(cache, FigureStore()).render(tag, build, update, layout)
-    return png_bytes, built, os.getpid()
-
-
-def _process_forget(cache: Any) -> None:
-    _STORES.pop(cache, None)
-
-
-def _process_warm_up() -> None:
+def warm_up() -> None:
     """Draw one figure of each kind once (fonts, text layout, colour bars, legends, log-axis labels, PNG
-    encoding: costs a process pays on its first figures), before any figure is asked for."""
+    encoding: what a process pays on its first figures)."""
     values = np.linspace(0.0, 1.0, 16).reshape(2, 8)
-    store = FigureStore()
-    curves = {"stage0.block0": (values[0] - 0.5, values[1][:4], values[1] + 0.1)}
-    local = {"cosine_distance": [values, values, values]}
-    store.render("local", lambda: local_drift_figure("stage0.block0", local, 0), None)
-    store.render("stage", lambda: stage_curves_figure("stage0", curves), None)
-    store.render("heatmap", lambda: heatmap_figure(values, title="t", xlabel="x", ylabel="y", annotate=True,
-                                                   xticklabels=list("abcdefgh"), yticklabels=["a", "b"], colorbar_label="c"), None)
-
-
-_CALLS = {"render": _process_render, "forget": _process_forget, "warm_up": _process_warm_up}
-
-
-def _send(stream, message: Any) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(len(data).to_bytes(8, "little") + data)
-    stream.flush()
-
-
-def _receive(stream) -> Any:
-    header = stream.read(8)
-    if len(header) < 8:
-        raise EOFError
-    size = int.from_bytes(header, "little")
-    return pickle.loads(stream.read(size))
-
-
-def serve() -> None:
-    """The figure process's loop (``python -c "from vitlab.figures import serve; serve()"``): read
-    ``(job id, call, args)`` messages from stdin, answer ``(job id, ok, result or exception)`` on stdout."""
-    out = os.fdopen(os.dup(1), "wb")  # the answers; anything else printed goes to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    _process_init()
-    source = sys.stdin.buffer
-    while True:
-        try:
-            job, call, args = _receive(source)
-        except EOFError:
-            return
-        try:
-            answer = (job, True, _CALLS[call](*args))
-        except Exception as exc:  # noqa: BLE001  (sent back: raised where the figure was asked for)
-            answer = (job, False, exc)
-        try:
-            _send(out, answer)
-        except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle
-            _send(out, (job, False, RuntimeError(f"{type(answer[2]).__name__}: {answer[2]}")))
-
-
-class FigureProcess:
-    """A ``python`` child process running :func:`serve`: :meth:`submit` returns a ``concurrent.futures.Future``.
-
-    A plain subprocess, not ``multiprocessing``: its spawn method runs the user's ``__main__`` script again in the
-    child (a training script without an ``if __name__ == "__main__"`` guard would train twice), and a fork of a
-    training process copies its threads' locks (GNU OpenMP is not fork-safe). Jobs are written by a thread, so
-    :meth:`submit` never waits for the child to read them."""
-
-    def __init__(self) -> None:
-        import itertools
-        import queue
-        import subprocess
-        import threading
-        from pathlib import Path
-
-        package_root = str(Path(__file__).resolve().parents[1])  # vitlab importable in the child, installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
-               # one thread: numpy's BLAS threads would be made before this process lowers its priority (threads
-               # inherit it), at normal priority beside training, and figures need no parallel BLAS
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "VITLAB_FIGURE_PARENT": str(os.getpid())}
-        self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figures import serve; serve()"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._ids = itertools.count()
-        self.paused = False
-        self.resumed = 0.0  # time.monotonic() of the last resume()
-        self.last_answer = 0.0  # time.monotonic() of the child's last answer
-        self._futures: dict[int, Any] = {}
-        self._lock = threading.Lock()
-        self._jobs: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write, name="vitlab-figure-jobs", daemon=True)
-        self._reader = threading.Thread(target=self._read, name="vitlab-figure-images", daemon=True)
-        self._writer.start()
-        self._reader.start()
-
-    def submit(self, call: str, *args: Any):
-        from concurrent.futures import Future
-
-        future: Future = Future()
-        with self._lock:
-            job = next(self._ids)
-            self._futures[job] = future
-        self._jobs.put((job, call, args))
-        return future
-
-    def _write(self) -> None:
-        while (message := self._jobs.get()) is not None:
-            try:
-                _send(self._proc.stdin, message)
-            except (BrokenPipeError, OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
-                self._fail(message[0], exc)
-        try:
-            self._proc.stdin.close()  # the child ends when its input does
-        except OSError:
-            pass
-
-    def _read(self) -> None:
-        while True:
-            try:
-                job, ok, value = _receive(self._proc.stdout)
-            except (EOFError, OSError, pickle.UnpicklingError):
-                break
-            self.last_answer = time.monotonic()
-            with self._lock:
-                future = self._futures.pop(job, None)
-            if future is not None:
-                future.set_result(value) if ok else future.set_exception(value)
-        code = self._proc.wait()
-        with self._lock:
-            pending, self._futures = list(self._futures.values()), {}
-        for future in pending:
-            future.set_exception(RuntimeError(f"vitlab's figure process ended (exit code {code}) before drawing this figure"))
-
-    def _fail(self, job: int, exc: BaseException) -> None:
-        with self._lock:
-            future = self._futures.pop(job, None)
-        if future is not None:
-            future.set_exception(RuntimeError(f"could not send a figure to vitlab's figure process: {type(exc).__name__}: {exc}"))
-
-    def pause(self) -> None:
-        """Stop the child (``SIGSTOP``) until :meth:`resume`: the training process pauses it during its steps.
-
-        At idle priority it still cost the steps about 1.5 s of the quickstart's 24 s fit (each time a torch
-        thread waited for its core back, and in the caches it left cold); stopped during the steps, it draws
-        between them (loading the next batch, logging, epoch ends, checkpoints).
-        Linux only, where the child dies with its parent (see :func:`_end_with_parent`): elsewhere a stopped child
-        of a killed training process would be left behind."""
-        import signal
-
-        if not self.paused and _PAUSABLE and self._proc.poll() is None:
-            self.paused = True
-            os.kill(self._proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """Let a paused child run again (``SIGCONT``)."""
-        import signal
-
-        if self.paused:
-            self.paused = False
-            self.resumed = time.monotonic()
-            try:
-                os.kill(self._proc.pid, signal.SIGCONT)
-            except OSError:  # it has ended
-                pass
-
-    def shutdown(self) -> None:
-        """End the child now. Its caller has every image it waits for (written, or drawn in the training process
-        when the child was too slow): jobs the child still holds are stale, and waiting until it has read them
-        all took minutes on a busy machine."""
-        try:
-            self._proc.kill()
-        except OSError:
-            pass
-        self._jobs.put(None)  # the job thread ends (its blocked write fails once the child is gone)
+    render_png(LocalDrift("stage0.block0", {"cosine_distance": [values, values, values]}, 0))
+    render_png(StageCurves("stage0", {"stage0.block0": (values[0] - 0.5, values[1][:4], values[1] + 0.1)}))
+    render_png(Heatmap(values, title="t", xlabel="x", ylabel="y", annotate=True, xticklabels=list("abcdefgh"),
+                       yticklabels=["a", "b"], colorbar_label="c"))

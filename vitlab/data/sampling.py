@@ -1,0 +1,67 @@
+"""Training order and augmentations as a function of (seed, epoch, sample index), whatever the loader workers.
+
+A ``DataLoader`` hands each sample to whichever worker is free, and albumentations draws from the generator
+of the process it runs in: with per-worker generators the augmentation a sample gets depends on the number of
+workers and on timing. Here the sampler yields ``(index, epoch)`` and :class:`KeyedAugmentation` seeds the
+transform from ``(seed, epoch, index)`` before each sample, so 0, 1 or 8 workers give the same batches, and a
+run resumed at epoch k shuffles and augments epoch k as an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+
+def mixed_seed(*keys: int) -> int:
+    """A 32-bit seed from non-negative integer keys, e.g. (seed, epoch, index) for one sample's augmentation in
+    one epoch (NumPy's ``SeedSequence`` mixes them: nearby keys give unrelated seeds)."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
+
+
+class EpochSampler(Sampler):
+    """Yields ``(index, epoch)`` for every sample of an epoch: shuffled by a generator seeded with (seed, epoch).
+
+    Args:
+        size: Number of samples.
+        seed: The data seed.
+        shuffle: A new order each epoch; else 0..size-1.
+        epoch_of: Returns the epoch being loaded (the trainer's ``current_epoch``), or None; then the sampler
+            counts its own iterations (a loader used outside a trainer).
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True, epoch_of: Callable[[], int | None] | None = None) -> None:
+        self.size, self.seed, self.shuffle, self.epoch_of = size, seed, shuffle, epoch_of
+        self._iterations = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch_of() if self.epoch_of is not None else None
+        if epoch is None:
+            epoch = self._iterations
+        self._iterations += 1
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(mixed_seed(self.seed, epoch))).tolist()
+        else:
+            order = range(self.size)
+        return iter([(index, epoch) for index in order])
+
+
+class KeyedAugmentation(Dataset):
+    """``dataset[index]`` with ``dataset.transform`` (an albumentations ``Compose``) seeded from (seed, epoch, index)."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, epoch = item
+        self.dataset.transform.set_random_seed(mixed_seed(self.seed, epoch, index))
+        return self.dataset[index]

@@ -1,0 +1,92 @@
+"""Files a run or a probe writes: atomically (temp file + rename), so a kill never leaves a partial file under
+its final name. Tables as CSV / JSON, tensors as safetensors, matplotlib figures as PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` (atomic on POSIX).
+
+    A crash or exception leaves no partial file under the final name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; give the normal permissions
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write torch ``tensors`` to a safetensors file atomically; metadata values are stored as strings."""
+    from safetensors.torch import save_file
+
+    clean = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    with atomic_path(path) as tmp:
+        save_file(clean, str(tmp), metadata=meta)
+    return Path(path)
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], fieldnames: Sequence[str] | None = None) -> Path:
+    """Write dict rows to a CSV file atomically (columns from ``fieldnames`` or the first row)."""
+    rows = list(rows)
+    fieldnames = list(rows[0].keys() if rows else []) if fieldnames is None else list(fieldnames)
+    known = set(fieldnames)
+    for row in rows:
+        if row.keys() - known:
+            raise ValueError(f"{path}: row has columns {sorted(row.keys() - known)} not among {fieldnames}")
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(fieldnames)  # (csv.writer, not DictWriter: a table of every Q/K/V row each epoch)
+            writer.writerows([_plain(row.get(k, "")) for k in fieldnames] for row in rows)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write JSON atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=_plain))
+    return Path(path)
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Save a matplotlib figure as PNG atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return Path(path)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON / CSV value: floats to 8 significant digits, tensors and numpy scalars to Python numbers / lists."""
+    if isinstance(value, float):
+        return float(f"{value:.8g}")
+    if hasattr(value, "numel"):  # a torch tensor
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
