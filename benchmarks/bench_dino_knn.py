@@ -6,7 +6,7 @@ split), trains for ``--epochs`` with the config's trainer settings (gradient cli
 epoch: ``train/loss``, the per-sample and batch-mean teacher entropies (collapse signals, log K = uniform), the
 centre's norm and ``val/knn_acc``. Asserts that the loss fell and that the teacher collapsed neither to uniform
 (per-sample entropy > 0.9 log K) nor to one prototype (batch-mean entropy < 0.25 log K); prints the k-NN gain
-(it does not assert one: see the README's DINO section for what this dataset gives).
+(it does not assert one: see docs/dino.md for what this dataset gives).
 Run: ``python benchmarks/bench_dino_knn.py [--epochs 15] [--threads 2] [--set center_momentum=0.9 ...]``
 """
 

@@ -74,7 +74,7 @@ def test_short_dino_run_lowers_loss_without_collapse(scans, tmp_path):
     assert per_sample[-1] < 0.9 * log_k and batch_mean[-1] > 0.25 * log_k, report
     # the teacher's features still tell the classes apart: above chance on the balanced val split, where a collapsed
     # (constant) backbone scores exactly 0.5. Not asserted: a gain over random init, which DINO does not give on
-    # these scans (README, DINO section: lesion and lesion-free slices share their anatomy)
+    # these scans (docs/dino.md: lesion and lesion-free slices share their anatomy)
     assert len(dm.samples("val")) >= 20 and min(knn) > 0.5, report
     # the logged k-NN is the teacher's (train split without augmentation -> val split), recomputed independently
     assert knn[-1] == pytest.approx(teacher_knn(module, dm), abs=1e-6), report

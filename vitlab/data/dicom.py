@@ -39,7 +39,7 @@ from vitlab.data.read_options import (
 )
 
 # Packages (pip names) that add a decoder for a compressed transfer syntax, by UID. vitlab installs
-# pylibjpeg-openjpeg, pyjpegls and imagecodecs (see the README's DICOM section), so
+# pylibjpeg-openjpeg, pyjpegls and imagecodecs (see docs/dicom.md), so
 # these show only when one was removed or has no wheel for the platform.
 _JPEG_LS = "`pyjpegls`"
 _JPEG_LOSSLESS = "`imagecodecs`"
