@@ -1,0 +1,163 @@
+"""vitlab.runtime: threads and loader workers from the config and the cores (never the load), recorded in the
+run's config.yaml; the same seed gives the same numbers on a busy machine and with any number of workers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import pytest
+import torch
+import yaml
+
+from vitlab.data.transforms import seed_worker
+from vitlab.runtime import Runtime, frozen_heap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "cores, gpu, threads, workers",
+    [(1, False, 1, 0), (2, False, 2, 0), (4, False, 2, 2), (16, False, 14, 2), (2, True, 1, 1), (16, True, 12, 4)],
+)
+def test_auto_is_decided_by_the_cores_and_the_accelerator(cores, gpu, threads, workers, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    resolved = Runtime().resolved(gpu, cores=cores)
+    assert (resolved.threads, resolved.workers, resolved.figures) == (threads, workers, "auto")
+
+
+def test_numbers_given_are_kept_and_omp_num_threads_is_the_auto_thread_count(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert Runtime(threads=3, workers=5, figures="off").resolved(False, cores=2) == Runtime(3, 5, "off")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert Runtime().resolved(False, cores=8).threads == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"threads": 0}, "runtime.threads must be 'auto' or an int >= 1, got 0"),
+    ({"workers": -1}, "runtime.workers must be 'auto' or an int >= 0, got -1"),
+    ({"workers": "many"}, "runtime.workers must be 'auto' or an int >= 0, got 'many'"),
+    ({"figures": "background"}, "runtime.figures must be one of auto, inline, off, got 'background'"),
+])
+def test_bad_values_are_refused_in_one_line(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        Runtime(**kwargs)
+    assert str(error.value) == message
+
+
+def test_apply_sets_torch_threads_and_one_opencv_thread():
+    before = torch.get_num_threads()
+    try:
+        Runtime(threads=1).apply()
+        assert torch.get_num_threads() == 1 and cv2.getNumThreads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("env, expected", [({}, "10000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, None), ({"GOMP_SPINCOUNT": "500"}, "500")])
+def test_the_entry_points_bound_openmp_spinning_and_importing_vitlab_does_not(env, expected):
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, vitlab, vitlab.data; a = os.environ.get('GOMP_SPINCOUNT'); import vitlab.cli; print(a, os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.split() == [str(env.get("GOMP_SPINCOUNT")), str(expected)]
+
+
+class _CV2Threads(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return cv2.getNumThreads()
+
+
+def test_loader_workers_run_opencv_on_one_thread():
+    before = cv2.getNumThreads()
+    cv2.setNumThreads(3)  # what a forked worker inherits
+    try:
+        loader = torch.utils.data.DataLoader(_CV2Threads(), batch_size=1, num_workers=1, worker_init_fn=seed_worker)
+        assert [int(b) for b in loader] == [1, 1]
+        control = torch.utils.data.DataLoader(_CV2Threads(), batch_size=1, num_workers=1)
+        assert [int(b) for b in control] == [3, 3]
+    finally:
+        cv2.setNumThreads(before)
+
+
+def test_frozen_heap_freezes_survivors_for_the_fit_only():
+    gc.unfreeze()
+    with frozen_heap():
+        assert gc.get_freeze_count() > 1000
+    assert gc.get_freeze_count() == 0
+
+
+def _fit_outputs(args: list[str]):
+    """The last Q/K/V snapshot and every scalar of a fit: what must not change."""
+    from tests.test_train_e2e import events
+    from vitlab.callbacks._state import load_snapshot
+    from vitlab.cli import fit
+
+    threads = torch.get_num_threads()
+    try:
+        cli = fit(args)
+    finally:
+        torch.set_num_threads(threads)
+    run = Path(cli.trainer.log_dir)
+    snapshot, _ = load_snapshot(sorted((run / "qkv").glob("epoch_*.safetensors"))[-1])
+    acc = events(run)
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return run, snapshot, scalars
+
+
+@pytest.mark.slow
+def test_same_seed_same_numbers_beside_a_busy_process_with_any_workers_and_from_the_saved_config(tiny_dataset, tmp_path, capfd):
+    """Two fits with the same config and seed, one while another process keeps a core busy, give bit-identical
+    snapshots and metrics; so do 0 and 2 loader workers (same threads); the run's config.yaml holds the resolved
+    runtime, and passing it back repeats the run bit for bit."""
+    from tests.test_train_e2e import tiny_args
+
+    base = ["--runtime.threads", "2", "--trainer.max_epochs", "2"]
+    quiet_run, quiet, quiet_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "quiet", extra=base))
+    saved = yaml.safe_load((quiet_run / "config.yaml").read_text())
+    assert saved["runtime"] == {"threads": 2, "workers": 0, "figures": "auto"}
+    assert "vitlab: runtime: 2 torch thread(s), 0 loader worker(s)" in capfd.readouterr().err
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        _, busy, busy_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "busy", extra=base))
+    finally:
+        spinner.kill()
+    assert "other processes" not in capfd.readouterr().err
+    assert quiet.keys() == busy.keys() and all(torch.equal(quiet[k], busy[k]) for k in quiet)
+
+    def values(scalars):  # (wall times and the learning rate's step aside, every logged number)
+        return {tag: points for tag, points in scalars.items()}
+
+    assert values(busy_scalars) == values(quiet_scalars)
+
+    _, workers, worker_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "workers", extra=[*base, "--runtime.workers", "2"]))
+    assert all(torch.equal(quiet[k], workers[k]) for k in quiet) and values(worker_scalars) == values(quiet_scalars)
+
+    again_dir = tmp_path / "again"
+    config = quiet_run / "config.yaml"
+    again = yaml.safe_load(config.read_text())
+    again["trainer"]["logger"]["init_args"]["save_dir"] = str(again_dir)
+    (tmp_path / "again.yaml").write_text(yaml.safe_dump(again))
+    _, repeated, repeated_scalars = _fit_outputs(["--config", str(tmp_path / "again.yaml")])
+    assert all(torch.equal(quiet[k], repeated[k]) for k in quiet) and values(repeated_scalars) == values(quiet_scalars)
+
+
+def test_an_old_config_with_data_num_workers_is_told_where_it_moved(tmp_path, capsys):
+    from vitlab.cli import train_main
+
+    config = tmp_path / "old.yaml"
+    config.write_text("data:\n  num_workers: 2\n")
+    with pytest.raises(SystemExit):
+        train_main(["--config", str(config)])
+    assert f"vitlab: error: {config}: data.num_workers moved to runtime.workers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--data.num_workers", "2"])
+    assert "--data.num_workers: moved to --runtime.workers" in capsys.readouterr().err
