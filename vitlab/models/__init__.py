@@ -11,7 +11,7 @@ around a timm ViT / Swin; every function above sees their backbone (``vitlab_bac
 """
 
 from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
-from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, families_table, supported_families
+from vitlab.models.adapter import BlockView, Embeddings, families_table, supported_families
 from vitlab.models.anatomy import (
     blocks,
     embeddings,
@@ -24,12 +24,13 @@ from vitlab.models.anatomy import (
     select_blocks,
 )
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
-from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
+from vitlab.models.build import build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
 from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
+from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError, WeightsMismatchError
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
-from vitlab.models.weights import LoadReport, WeightsMismatchError, load_weights, read_state_dict
+from vitlab.models.weights import LoadReport, load_weights, read_state_dict
 
 __all__ = [
     "AttentionRecord",

@@ -39,11 +39,12 @@ from typing import Callable, ClassVar, Optional
 import torch
 from torch import Tensor, nn
 
+from vitlab.models.errors import UnsupportedModelError
+
 __all__ = [
     "BlockView",
     "Embeddings",
     "FamilyAdapter",
-    "UnsupportedModelError",
     "conv_embeddings",
     "families_table",
     "get_adapter",
@@ -51,10 +52,6 @@ __all__ = [
     "supported_families",
     "unwrap_model",
 ]
-
-
-class UnsupportedModelError(ValueError):
-    """Raised for a model whose family vitlab has no adapter for."""
 
 
 @dataclass(frozen=True, eq=False)

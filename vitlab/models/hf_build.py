@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError
+
 __all__ = ["HF_MODEL_TYPES", "HFClassifier", "build_hf", "require_transformers"]
 
 # model type -> (classification class, forward kwargs, default image mean/std)
@@ -91,8 +93,6 @@ def _image_stats(source: str) -> tuple[Optional[list], Optional[list]]:
 
 
 def _unavailable(name: str, error: BaseException):
-    from vitlab.models.build import PretrainedWeightsUnavailable
-
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return PretrainedWeightsUnavailable(
         f"Hugging Face model {name!r} is not available ({type(error).__name__}: {first}): use a local "
@@ -103,7 +103,6 @@ def _unavailable(name: str, error: BaseException):
 def _config(name: str, source: str, kwargs: dict[str, Any]):
     """The architecture: a model type's default config, or a folder's / hub repo's ``config.json``."""
     from transformers import AutoConfig
-    from vitlab.models.adapter import UnsupportedModelError
 
     if "img_size" in kwargs:
         kwargs["image_size"] = kwargs.pop("img_size")
