@@ -1,6 +1,6 @@
 """Adapters for Hugging Face ``transformers`` ViT, DINOv2 (with and without registers) and Swin (v1).
 
-They accept an :class:`~vitlab.models.hf_build.HFClassifier` (what ``build_model("hf:...")`` returns), a
+They accept an :class:`~vitlab.models.hf_classifier.HFClassifier` (what ``build_model("hf:...")`` returns), a
 ``*ForImageClassification`` model or a bare ``ViTModel`` / ``Dinov2Model`` / ``Dinov2WithRegistersModel`` /
 ``SwinModel``; block ``qualname`` and part prefixes are relative to the model given. The Q/K/V views are the
 separate ``q_proj`` / ``k_proj`` / ``v_proj`` weights. Attention is recorded by switching the recorded
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from vitlab.models import timm_families, torchvision_families  # noqa: F401  (built-in adapters first)
 from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
-from vitlab.models.hf_build import HFClassifier, require_transformers
+from vitlab.models.hf_classifier import HFClassifier, require_transformers
 
 require_transformers()
 from transformers.models.dinov2 import modeling_dinov2  # noqa: E402

@@ -22,8 +22,7 @@ from timm.layers import PatchEmbed
 from timm.models import beit, eva, vision_transformer_relpos as relpos
 
 from vitlab.models.adapter import BlockView, Embeddings, conv_embeddings, register_adapter
-from vitlab.models.timm_families import _explicit_attention, _timm_filter, _TimmPlainBlocks
-from vitlab.models.timm_swin_v2 import _fused_bias
+from vitlab.models.timm_common import _explicit_attention, _fused_bias, _timm_filter, _TimmPlainBlocks
 
 __all__ = ["TimmBeitAdapter", "TimmEvaAdapter", "TimmViTRelPosAdapter"]
 
