@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.models import blocks, capture, embeddings, out_proj, qkv, record_attention
-from vitlab.models.adapter import families_table, get_adapter
+from vitlab.models.registry import families_table, get_adapter
 from vitlab.models.testing import TINY_IMAGE_SIZE, tiny_model
 
 SWIN_V2 = ["timm-swinv2", "timm-swinv2-cr", "torchvision-swinv2"]

@@ -13,8 +13,9 @@ from urllib.parse import urlparse
 
 from torch import nn
 
-from vitlab.models.adapter import get_adapter, supported_families, unwrap_model
+from vitlab.models.adapter import unwrap_model
 from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError
+from vitlab.models.registry import get_adapter, supported_families
 from vitlab.models.weights import _maker_hint, load_weights
 
 __all__ = [

@@ -116,8 +116,7 @@ def build_hf(name: str, source: str, num_classes: int, in_chans: int, pretrained
         ImportError: ``transformers`` is not installed. ValueError: bad keyword argument, or
         ``pretrained`` with a bare model type. PretrainedWeightsUnavailable: hub repo not reachable/cached.
     """
-    transformers = require_transformers()
-    from vitlab.models import hf_families  # noqa: F401  (registers the adapters)
+    transformers = require_transformers()  # from now on the registry lists the Hugging Face families
 
     source = source.strip()
     if not source:

@@ -17,8 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from vitlab.models import timm_families, torchvision_families  # noqa: F401  (built-in adapters first)
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
 from vitlab.models.hf_classifier import HFClassifier, require_transformers
 
 require_transformers()
@@ -175,7 +174,6 @@ class _HFPlainAdapter(_HFAdapter):
         return state_dict
 
 
-@register_adapter
 class HFViTAdapter(_HFPlainAdapter):
     """transformers ``ViTModel`` / ``ViTForImageClassification`` (pre-norm layers, no LayerScale)."""
 
@@ -197,7 +195,6 @@ class HFViTAdapter(_HFPlainAdapter):
         return block.dropout(block.mlp(h))
 
 
-@register_adapter
 class HFDinov2Adapter(_HFPlainAdapter):
     """transformers ``Dinov2Model`` and ``Dinov2WithRegistersModel`` (LayerScale, optional SwiGLU MLP)."""
 
@@ -224,7 +221,6 @@ class HFDinov2Adapter(_HFPlainAdapter):
         return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
 
 
-@register_adapter
 class HFSwinAdapter(_HFAdapter):
     """transformers ``SwinModel`` / ``SwinForImageClassification`` (v1): stream (B, H*W, C), patch merging at
     the end of each stage, pad then roll (like torchvision), shift mask -100."""

@@ -8,13 +8,12 @@ from torch import Tensor, nn
 from timm.layers import Attention, PatchEmbed
 from timm.models import mlp_mixer, swin_transformer, vision_transformer
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
 from vitlab.models.timm_common import _explicit_attention, _timm_filter, _TimmPlainBlocks
 
 __all__ = ["TimmMixerAdapter", "TimmSwinAdapter", "TimmViTAdapter"]
 
 
-@register_adapter
 class TimmViTAdapter(_TimmPlainBlocks):
     """timm ``VisionTransformer`` with standard pre-norm ``Block`` and fused-QKV ``Attention``."""
 
@@ -88,7 +87,6 @@ class TimmViTAdapter(_TimmPlainBlocks):
         return _timm_filter(vision_transformer.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmMixerAdapter(_TimmPlainBlocks):
     """timm ``MlpMixer`` with ``MixerBlock`` (token-mixing MLP over the transposed tokens)."""
 
@@ -140,7 +138,6 @@ class TimmMixerAdapter(_TimmPlainBlocks):
         return _timm_filter(mlp_mixer.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmSwinAdapter(FamilyAdapter):
     """timm ``SwinTransformer`` (v1): stages ``layers[s]`` (downsample at the stage start) of blocks."""
 

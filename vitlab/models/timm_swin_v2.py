@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from timm.models import swin_transformer_v2 as swin2
 from timm.models import swin_transformer_v2_cr as swin2cr
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
 from vitlab.models.timm_common import _fused_bias, _hooked, _timm_filter
 
 __all__ = ["TimmSwinV2Adapter", "TimmSwinV2CrAdapter"]
@@ -80,7 +80,6 @@ class _TimmSwinV2Base(FamilyAdapter):
         return entries
 
 
-@register_adapter
 class TimmSwinV2Adapter(_TimmSwinV2Base):
     """timm ``SwinTransformerV2``: res-post-norm blocks, cosine attention, CPB-MLP bias (16 sigmoid)."""
 
@@ -114,7 +113,6 @@ class TimmSwinV2Adapter(_TimmSwinV2Base):
         return _timm_filter(swin2.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmSwinV2CrAdapter(_TimmSwinV2Base):
     """timm ``SwinTransformerV2Cr``: stages ``stages[s]`` (downsample first), cosine attention with a
     log-coordinate meta-MLP bias. The main-branch ``norm3`` (last block of the model, and periodically in

@@ -10,8 +10,9 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
-from vitlab.models.adapter import get_adapter, unwrap_model
+from vitlab.models.adapter import unwrap_model
 from vitlab.models.errors import WeightsMismatchError
+from vitlab.models.registry import get_adapter
 
 __all__ = ["LoadReport", "load_weights", "read_state_dict"]
 
