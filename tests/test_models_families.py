@@ -2,7 +2,10 @@
 views and each family's own position terms; the README's family table generated from the registry."""
 
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.models import blocks, capture, embeddings, out_proj, qkv, record_attention
-from vitlab.models.adapter import families_table, get_adapter
+from vitlab.models.registry import families_table, get_adapter
 from vitlab.models.testing import TINY_IMAGE_SIZE, tiny_model
 
 SWIN_V2 = ["timm-swinv2", "timm-swinv2-cr", "torchvision-swinv2"]
@@ -227,6 +230,20 @@ def test_unsupported_variants_name_the_supported_families():
     with pytest.raises(UnsupportedModelError, match="timm Eva"):
         build_model("vit_relpos_base_patch16_rpn_224", 2, img_size=32, patch_size=8, embed_dim=32, depth=1,
                     num_heads=2)
+
+
+def test_registry_lists_hugging_face_last_and_importing_vitlab_models_loads_no_family_library():
+    from vitlab.models.registry import families
+
+    optional = [adapter.library.startswith("transformers") for adapter in families(include_optional=True)]
+    assert optional == sorted(optional), "the Hugging Face families must come last"
+    code = ("import sys, vitlab.models\n"
+            "print(sorted({'timm', 'torchvision', 'transformers'} & {m.split('.')[0] for m in sys.modules}))")
+    env = {**os.environ, "PYTHONPATH": str(README.parent), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=README.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "[]", done.stdout
 
 
 def test_readme_family_table_is_generated_from_the_registry():

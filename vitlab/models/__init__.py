@@ -3,15 +3,24 @@
 Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normalization`,
 :func:`parameter_groups`, :func:`freeze`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.
 Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_attention`,
-:func:`capture`, :func:`forward_until`. Supported families (:func:`families_table`): timm ViT/DeiT,
-Swin V1, Swin V2 / V2-Cr, Eva, Beit, ViT-RelPos, MLP-Mixer; torchvision ViT, Swin V1 and V2; one adapter
-each in ``timm_families`` / ``timm_swin_v2`` / ``timm_relpos_families`` / ``torchvision_families`` (see
-:mod:`vitlab.models.adapter` for the registry). Task models: :func:`build_detector` (Mask R-CNN) and :func:`build_segmenter`
-around a timm ViT / Swin; every function above sees their backbone (``vitlab_backbone()``).
+:func:`capture`, :func:`forward_until`. Task models: :func:`build_detector` (Mask R-CNN) and
+:func:`build_segmenter` around a timm ViT / Swin; every function above sees their backbone
+(``vitlab_backbone()``). Errors: :class:`UnsupportedModelError`, :class:`PretrainedWeightsUnavailable`,
+:class:`WeightsMismatchError` (all in :mod:`vitlab.models.errors`).
+
+Supported families (:func:`families_table`): timm ViT/DeiT, Swin V1, Swin V2 / V2-Cr, Eva, Beit,
+ViT-RelPos, MLP-Mixer; torchvision ViT, Swin V1 and V2; Hugging Face ViT, DINOv2, Swin with the ``hf``
+extra. Imports flow one way: :mod:`~vitlab.models.adapter` (the :class:`~vitlab.models.adapter.FamilyAdapter`
+base and the views it returns) <- one adapter per family in ``timm_families`` / ``timm_swin_v2`` /
+``timm_relpos_families`` / ``torchvision_families`` / ``hf_families`` <- :mod:`~vitlab.models.registry`
+(the ordered list of families and :func:`~vitlab.models.registry.get_adapter`) <- everything else here.
+Adding a family is one adapter class in its own module plus its entry in that list (see
+:mod:`vitlab.models.registry`). Importing this package imports neither timm, torchvision nor
+``transformers``: the registry imports the family modules on first use.
 """
 
 from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
-from vitlab.models.adapter import BlockView, Embeddings, UnsupportedModelError, families_table, supported_families
+from vitlab.models.adapter import BlockView, Embeddings
 from vitlab.models.anatomy import (
     blocks,
     embeddings,
@@ -24,12 +33,14 @@ from vitlab.models.anatomy import (
     select_blocks,
 )
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
-from vitlab.models.build import PretrainedWeightsUnavailable, build_model, normalization
+from vitlab.models.build import build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
 from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
+from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError, WeightsMismatchError
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
+from vitlab.models.registry import families_table, supported_families
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
-from vitlab.models.weights import LoadReport, WeightsMismatchError, load_weights, read_state_dict
+from vitlab.models.weights import LoadReport, load_weights, read_state_dict
 
 __all__ = [
     "AttentionRecord",

@@ -14,9 +14,10 @@ from typing import Optional, Union
 
 from torch import nn
 
-from vitlab.models.adapter import FamilyAdapter, get_adapter, unwrap_model
+from vitlab.models.adapter import FamilyAdapter, unwrap_model
 from vitlab.models.anatomy import BlockRef, blocks as all_blocks, select_blocks
 from vitlab.models.blockpatch import BlockSwitches, block_state, patch_block, release_block
+from vitlab.models.registry import get_adapter
 
 __all__ = ["ablate", "ablated", "ablation_state", "ablation_components", "restore"]
 

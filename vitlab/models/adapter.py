@@ -1,37 +1,20 @@
-"""Family adapters: the single place that knows how each library lays out a vision transformer.
+"""The family-adapter vocabulary: the single place that says how vitlab sees a vision transformer.
 
 An adapter describes one model family (timm ViT, timm Swin, ...) through a small, uniform vocabulary:
 its blocks (with their stage/index), the sub-modules of a block (``norm1``, token mixer, ``norm2``,
 ``mlp``), how to run the two branches of a block, where its fused Q/K/V projection lives, how to
 record attention probabilities, and which parameter-name prefixes form the embedding / head / norm.
-Everything else in :mod:`vitlab.models` is written once against this vocabulary; adding a family is
-adding one :class:`FamilyAdapter` subclass and registering it with :func:`register_adapter`.
+Everything else in :mod:`vitlab.models` is written once against this vocabulary.
 
-The registry
-------------
-``_REGISTRY`` is an ordered list of adapter classes; :func:`get_adapter` returns the first whose
-:meth:`FamilyAdapter.matches` accepts the model (so a narrower adapter must be registered before a
-broader one of the same library class). Adapters register themselves with the ``@register_adapter``
-decorator when their module is imported; the modules are listed in ``_BUILTIN_MODULES`` and imported on
-first use (a module whose library is not installed, e.g. an optional extra, is skipped). To add a family:
-
-1. subclass :class:`FamilyAdapter` in a module of :mod:`vitlab.models` and decorate it with
-   ``@register_adapter``; append the module to ``_BUILTIN_MODULES`` if it is new;
-2. fill the class attributes that describe it for users: ``family`` (id), ``description`` (one line for
-   error messages), ``library`` (``timm`` / ``torchvision`` / ``transformers``), ``classes`` (the library
-   class names), ``examples`` (model names that build it), ``supports`` (what works; the default lists
-   every feature) and ``notes`` (position terms, norm placement, what is not supported);
-3. add a tiny configuration to :data:`vitlab.models.testing.TINY_MODELS` and its oracles to the tests.
-
-:func:`families_table` renders the registry as the README's "Supported model families" table;
-``tests/test_models_families.py`` fails when the README copy differs from it (print it with
-``python -c "from vitlab.models import families_table; print(families_table())"`` and paste it between the
-``<!-- families-table:start -->`` / ``end`` markers).
+This module holds the base class :class:`FamilyAdapter`, the views it returns (:class:`BlockView`,
+:class:`Embeddings`) and helpers the family modules share (:func:`conv_embeddings`,
+:func:`window_slot_tokens`, :func:`unwrap_model`). It imports no family: the family modules
+(``timm_families``, ``torchvision_families``, ...) import it, and :mod:`vitlab.models.registry` lists them
+in matching order and finds the adapter of a model (see there for how to add a family).
 """
 
 from __future__ import annotations
 
-import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional
@@ -43,18 +26,10 @@ __all__ = [
     "BlockView",
     "Embeddings",
     "FamilyAdapter",
-    "UnsupportedModelError",
     "conv_embeddings",
-    "families_table",
-    "get_adapter",
-    "register_adapter",
-    "supported_families",
     "unwrap_model",
+    "window_slot_tokens",
 ]
-
-
-class UnsupportedModelError(ValueError):
-    """Raised for a model whose family vitlab has no adapter for."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,93 +268,12 @@ def conv_embeddings(conv: nn.Conv2d, grid: tuple[int, int], pos_embed: Optional[
     )
 
 
-_REGISTRY: list[type[FamilyAdapter]] = []
-# modules whose import registers the built-in adapters, in matching order (missing libraries are skipped)
-_BUILTIN_MODULES = [
-    "vitlab.models.timm_families",
-    "vitlab.models.timm_swin_v2",
-    "vitlab.models.timm_relpos_families",
-    "vitlab.models.torchvision_families",
-]
-_LOADED: list[str] = []
-
-
-def register_adapter(adapter: type[FamilyAdapter]) -> type[FamilyAdapter]:
-    """Class decorator adding an adapter to the registry."""
-    _REGISTRY.append(adapter)
-    return adapter
-
-
-def supported_families() -> list[str]:
-    """Descriptions of all supported families (for error messages)."""
-    _load_builtin_adapters()
-    return [adapter.description for adapter in _REGISTRY]
-
-
-def families_table() -> str:
-    """The registry as a Markdown table (library, class, example names, what is supported), one row per
-    adapter in registry order: the README's "Supported model families" section (the Hugging Face rows
-    when the ``hf`` extra is installed)."""
-    _load_builtin_adapters()
-    try:  # the optional extra's adapters load lazily elsewhere (importing transformers is slow)
-        import vitlab.models.hf_families  # noqa: F401
-    except ModuleNotFoundError as error:
-        if error.name != "transformers":
-            raise
-    lines = ["| library | class | example names | family id | supported |", "| --- | --- | --- | --- | --- |"]
-    for adapter in sorted(_REGISTRY, key=lambda a: a.library.startswith("transformers")):
-        supported = adapter.supports + (f"; {adapter.notes}" if adapter.notes else "")
-        cells = [adapter.library, adapter.classes, adapter.examples, f"`{adapter.family}`", supported]
-        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
-    return "\n".join(lines)
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Returns the plain network inside a ``torch.compile`` wrapper (or the model itself), and the backbone
     of a task model (detector, segmenter) that names it through a ``vitlab_backbone()`` method."""
     model = getattr(model, "_orig_mod", model)
     backbone = getattr(model, "vitlab_backbone", None)
     return unwrap_model(backbone()) if callable(backbone) else model
-
-
-def get_adapter(model: nn.Module) -> FamilyAdapter:
-    """Returns the adapter for ``model``.
-
-    Raises:
-        UnsupportedModelError: if no adapter matches; the message lists the supported families.
-    """
-    _load_builtin_adapters()
-    model = unwrap_model(model)
-    cached = model.__dict__.get("_vitlab_adapter")
-    if cached is not None:
-        return cached
-    for adapter_cls in _REGISTRY:
-        if adapter_cls.matches(model):
-            adapter = adapter_cls()
-            model.__dict__["_vitlab_adapter"] = adapter
-            return adapter
-    raise UnsupportedModelError(
-        f"unsupported model {type(model).__module__}.{type(model).__name__}: vitlab supports "
-        + "; ".join(supported_families())
-    )
-
-
-def _load_builtin_adapters() -> None:
-    """Import the built-in adapter modules once (they register themselves); modules of optional
-    libraries that are not installed are skipped."""
-    import importlib
-
-    for module in _BUILTIN_MODULES:
-        if module in _LOADED:
-            continue
-        _LOADED.append(module)
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:  # an optional extra (e.g. transformers) is not installed
-            if error.name is not None and module.startswith(error.name):
-                raise
-    if sys.modules.get("transformers") is not None and "vitlab.models.hf_families" not in sys.modules:
-        from vitlab.models import hf_families  # noqa: F401  (optional extra: only once transformers is in use)
 
 
 def window_slot_tokens(

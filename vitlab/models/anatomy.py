@@ -7,7 +7,8 @@ from typing import Optional, Union
 
 from torch import Tensor, nn
 
-from vitlab.models.adapter import BlockView, Embeddings, get_adapter, unwrap_model
+from vitlab.models.adapter import BlockView, Embeddings, unwrap_model
+from vitlab.models.registry import get_adapter
 
 __all__ = ["blocks", "embeddings", "family_name", "input_size", "num_blocks", "out_proj", "part_prefixes", "qkv", "select_blocks"]
 

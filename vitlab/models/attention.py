@@ -9,8 +9,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from vitlab.models.adapter import BlockView, FamilyAdapter, get_adapter, unwrap_model, window_slot_tokens
+from vitlab.models.adapter import BlockView, FamilyAdapter, unwrap_model, window_slot_tokens
 from vitlab.models.anatomy import BlockRef, select_blocks
+from vitlab.models.registry import get_adapter
 
 __all__ = ["AttentionRecord", "dense_window_attention", "record_attention"]
 

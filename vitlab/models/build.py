@@ -13,12 +13,13 @@ from urllib.parse import urlparse
 
 from torch import nn
 
-from vitlab.models.adapter import UnsupportedModelError, get_adapter, supported_families, unwrap_model
+from vitlab.models.adapter import unwrap_model
+from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError
+from vitlab.models.registry import get_adapter, supported_families
 from vitlab.models.weights import _maker_hint, load_weights
 
 __all__ = [
     "ChannelRepeatConv2d",
-    "PretrainedWeightsUnavailable",
     "TORCHVISION_MODELS",
     "build_model",
     "normalization",
@@ -51,10 +52,6 @@ TORCHVISION_MODELS: dict[str, dict[str, Any]] = {
                       window_size=[8, 8], stochastic_depth_prob=0.5),
 }
 _LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf"}
-
-
-class PretrainedWeightsUnavailable(RuntimeError):
-    """Pretrained weights cannot be obtained (no network and nothing cached)."""
 
 
 class ChannelRepeatConv2d(nn.Conv2d):

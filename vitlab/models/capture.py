@@ -10,9 +10,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from vitlab.models.adapter import BlockView, get_adapter, unwrap_model
+from vitlab.models.adapter import BlockView, unwrap_model
 from vitlab.models.anatomy import BlockRef, blocks as all_blocks, select_blocks
 from vitlab.models.blockpatch import patch_block, release_block
+from vitlab.models.registry import get_adapter
 
 __all__ = ["CAPTURE_SITES", "Capture", "capture", "forward_until"]
 

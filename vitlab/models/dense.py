@@ -25,8 +25,8 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-from vitlab.models.adapter import UnsupportedModelError
 from vitlab.models.build import build_model
+from vitlab.models.errors import UnsupportedModelError
 from vitlab.models.weights import load_weights
 
 __all__ = ["BACKBONE_PREFIX", "DETECTION_HEADS", "FeatureBackbone", "build_detector", "build_segmenter"]

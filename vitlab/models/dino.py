@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from vitlab.models.adapter import get_adapter, unwrap_model
+from vitlab.models.adapter import unwrap_model
+from vitlab.models.registry import get_adapter
 
 
 def _check(model: nn.Module) -> nn.Module:

@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` image models (ViT, DINOv2, DINOv2 with registers, Swin) as vitlab classifiers.
 
-Optional: needs ``pip install -e ".[hf]"``. Only this module and :mod:`vitlab.models.hf_families` import
-``transformers``. ``build_model("hf:...")`` returns an :class:`HFClassifier`: the library's own
+Optional: needs ``pip install -e ".[hf]"``. Only this module, :mod:`vitlab.models.hf_classifier` and
+:mod:`vitlab.models.hf_families` import ``transformers``. ``build_model("hf:...")`` returns an
+:class:`~vitlab.models.hf_classifier.HFClassifier`: the library's own
 ``*ForImageClassification`` model (its head, its weights layout) behind a ``pixels -> logits`` forward, so
 the training module, the callbacks and every probe use it like a timm model.
 
@@ -19,57 +20,13 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from torch import Tensor, nn
+from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError
+from vitlab.models.hf_classifier import HF_MODEL_TYPES, HFClassifier, require_transformers
 
+# HF_MODEL_TYPES, HFClassifier and require_transformers live in hf_classifier; re-exported for their old path
 __all__ = ["HF_MODEL_TYPES", "HFClassifier", "build_hf", "require_transformers"]
 
-# model type -> (classification class, forward kwargs, default image mean/std)
-_IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-HF_MODEL_TYPES: dict[str, tuple[str, dict[str, Any], tuple]] = {
-    "vit": ("ViTForImageClassification", {"interpolate_pos_encoding": True}, ((0.5,) * 3, (0.5,) * 3)),
-    "dinov2": ("Dinov2ForImageClassification", {}, _IMAGENET),
-    "dinov2_with_registers": ("Dinov2WithRegistersForImageClassification", {}, _IMAGENET),
-    "swin": ("SwinForImageClassification", {"interpolate_pos_encoding": True}, _IMAGENET),
-}
-_NO_DECAY = {"position_embeddings", "cls_token", "register_tokens", "mask_token", "relative_position_bias_table"}
 _DERIVED_FIELDS = {"out_features", "out_indices", "stage_names", "model_type", "transformers_version"}
-_INSTALL_HINT = 'Hugging Face models need the optional extra: pip install -e ".[hf]" (installs transformers)'
-
-
-def require_transformers():
-    """Imports ``transformers`` or raises one clear ImportError naming the extra to install."""
-    try:
-        import transformers
-    except ImportError as error:
-        raise ImportError(f"{_INSTALL_HINT}; import failed: {error}") from None
-    return transformers
-
-
-class HFClassifier(nn.Module):
-    """A ``transformers`` ``*ForImageClassification`` model with a ``(B, C, H, W) -> (B, classes)`` forward.
-
-    Attributes:
-        hf: The library model (``hf.save_pretrained(folder)`` writes a folder that ``weights:`` reads back).
-        pretrained_cfg: ``{"mean", "std"}`` of the model's image processor (read by
-            :func:`vitlab.models.normalization`).
-    """
-
-    def __init__(self, hf_model: nn.Module, mean=None, std=None):
-        super().__init__()
-        self.hf = hf_model
-        model_type = hf_model.config.model_type
-        _, self._forward_kwargs, (default_mean, default_std) = HF_MODEL_TYPES[model_type]
-        self.pretrained_cfg = {"mean": tuple(mean or default_mean), "std": tuple(std or default_std)}
-        for name, param in self.named_parameters():
-            if name.endswith("mask_token"):  # masked-image pretraining only: no gradient here (DDP-safe)
-                param.requires_grad_(False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.hf(pixel_values=x, **self._forward_kwargs).logits
-
-    def no_weight_decay(self) -> set[str]:
-        """Position embeddings, class/register/mask tokens and Swin bias tables (read by parameter_groups)."""
-        return {name for name, _ in self.named_parameters() if name.rsplit(".", 1)[-1] in _NO_DECAY}
 
 
 def _image_stats(source: str) -> tuple[Optional[list], Optional[list]]:
@@ -91,8 +48,6 @@ def _image_stats(source: str) -> tuple[Optional[list], Optional[list]]:
 
 
 def _unavailable(name: str, error: BaseException):
-    from vitlab.models.build import PretrainedWeightsUnavailable
-
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return PretrainedWeightsUnavailable(
         f"Hugging Face model {name!r} is not available ({type(error).__name__}: {first}): use a local "
@@ -103,7 +58,6 @@ def _unavailable(name: str, error: BaseException):
 def _config(name: str, source: str, kwargs: dict[str, Any]):
     """The architecture: a model type's default config, or a folder's / hub repo's ``config.json``."""
     from transformers import AutoConfig
-    from vitlab.models.adapter import UnsupportedModelError
 
     if "img_size" in kwargs:
         kwargs["image_size"] = kwargs.pop("img_size")
@@ -162,8 +116,7 @@ def build_hf(name: str, source: str, num_classes: int, in_chans: int, pretrained
         ImportError: ``transformers`` is not installed. ValueError: bad keyword argument, or
         ``pretrained`` with a bare model type. PretrainedWeightsUnavailable: hub repo not reachable/cached.
     """
-    transformers = require_transformers()
-    from vitlab.models import hf_families  # noqa: F401  (registers the adapters)
+    transformers = require_transformers()  # from now on the registry lists the Hugging Face families
 
     source = source.strip()
     if not source:

@@ -1,6 +1,6 @@
 """Adapters for Hugging Face ``transformers`` ViT, DINOv2 (with and without registers) and Swin (v1).
 
-They accept an :class:`~vitlab.models.hf_build.HFClassifier` (what ``build_model("hf:...")`` returns), a
+They accept an :class:`~vitlab.models.hf_classifier.HFClassifier` (what ``build_model("hf:...")`` returns), a
 ``*ForImageClassification`` model or a bare ``ViTModel`` / ``Dinov2Model`` / ``Dinov2WithRegistersModel`` /
 ``SwinModel``; block ``qualname`` and part prefixes are relative to the model given. The Q/K/V views are the
 separate ``q_proj`` / ``k_proj`` / ``v_proj`` weights. Attention is recorded by switching the recorded
@@ -17,9 +17,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from vitlab.models import timm_families, torchvision_families  # noqa: F401  (built-in adapters first)
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
-from vitlab.models.hf_build import HFClassifier, require_transformers
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
+from vitlab.models.hf_classifier import HFClassifier, require_transformers
 
 require_transformers()
 from transformers.models.dinov2 import modeling_dinov2  # noqa: E402
@@ -175,7 +174,6 @@ class _HFPlainAdapter(_HFAdapter):
         return state_dict
 
 
-@register_adapter
 class HFViTAdapter(_HFPlainAdapter):
     """transformers ``ViTModel`` / ``ViTForImageClassification`` (pre-norm layers, no LayerScale)."""
 
@@ -197,7 +195,6 @@ class HFViTAdapter(_HFPlainAdapter):
         return block.dropout(block.mlp(h))
 
 
-@register_adapter
 class HFDinov2Adapter(_HFPlainAdapter):
     """transformers ``Dinov2Model`` and ``Dinov2WithRegistersModel`` (LayerScale, optional SwiGLU MLP)."""
 
@@ -224,7 +221,6 @@ class HFDinov2Adapter(_HFPlainAdapter):
         return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
 
 
-@register_adapter
 class HFSwinAdapter(_HFAdapter):
     """transformers ``SwinModel`` / ``SwinForImageClassification`` (v1): stream (B, H*W, C), patch merging at
     the end of each stage, pad then roll (like torchvision), shift mask -100."""

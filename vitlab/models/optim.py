@@ -8,8 +8,9 @@ from typing import Optional, Union
 
 from torch import nn
 
-from vitlab.models.adapter import get_adapter, unwrap_model
+from vitlab.models.adapter import unwrap_model
 from vitlab.models.anatomy import part_prefixes
+from vitlab.models.registry import get_adapter
 
 __all__ = ["NO_WEIGHT_DECAY_NAMES", "freeze", "layer_ids", "parameter_groups"]
 

@@ -2,60 +2,18 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 from torch import Tensor, nn
 from timm.layers import Attention, PatchEmbed
 from timm.models import mlp_mixer, swin_transformer, vision_transformer
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
+from vitlab.models.timm_common import _explicit_attention, _timm_filter, _TimmPlainBlocks
 
 __all__ = ["TimmMixerAdapter", "TimmSwinAdapter", "TimmViTAdapter"]
 
 
-@contextmanager
-def _explicit_attention(attn: nn.Module, hook_site: nn.Module, use_output: bool,
-                        sink: Callable[[Tensor], None]) -> Iterator[None]:
-    """Force timm's explicit (non-fused) attention path and report the probabilities seen at
-    ``hook_site`` (input of ``attn_drop`` or output of ``softmax``); restores everything on exit."""
-    fused = attn.fused_attn
-    if use_output:
-        handle = hook_site.register_forward_hook(lambda module, args, output: sink(output))
-    else:
-        handle = hook_site.register_forward_pre_hook(lambda module, args: sink(args[0]))
-    attn.fused_attn = False
-    try:
-        yield
-    finally:
-        attn.fused_attn = fused
-        handle.remove()
-
-
-def _timm_filter(filter_fn: Callable, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    """Apply timm's checkpoint converter; a file of another architecture is left for the key check."""
-    try:
-        return filter_fn(state_dict, model)
-    except (AttributeError, KeyError, RuntimeError, ValueError, IndexError):
-        return state_dict
-
-
-class _TimmPlainBlocks(FamilyAdapter):
-    """Shared parts of timm models with a flat ``blocks`` list and a ``stem``/``patch_embed``."""
-
-    embed_module: str = "patch_embed"
-
-    def _patch_embed(self, model: nn.Module) -> nn.Module:
-        return model.get_submodule(self.embed_module)
-
-    def image_size(self, model: nn.Module) -> tuple[int, int]:
-        return _pair(self._patch_embed(model).img_size)
-
-    def _grid(self, model: nn.Module) -> tuple[int, int]:
-        return _pair(self._patch_embed(model).grid_size)
-
-
-@register_adapter
 class TimmViTAdapter(_TimmPlainBlocks):
     """timm ``VisionTransformer`` with standard pre-norm ``Block`` and fused-QKV ``Attention``."""
 
@@ -129,7 +87,6 @@ class TimmViTAdapter(_TimmPlainBlocks):
         return _timm_filter(vision_transformer.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmMixerAdapter(_TimmPlainBlocks):
     """timm ``MlpMixer`` with ``MixerBlock`` (token-mixing MLP over the transposed tokens)."""
 
@@ -181,7 +138,6 @@ class TimmMixerAdapter(_TimmPlainBlocks):
         return _timm_filter(mlp_mixer.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmSwinAdapter(FamilyAdapter):
     """timm ``SwinTransformer`` (v1): stages ``layers[s]`` (downsample at the stage start) of blocks."""
 

@@ -21,9 +21,8 @@ from torch import Tensor, nn
 from timm.layers import PatchEmbed
 from timm.models import beit, eva, vision_transformer_relpos as relpos
 
-from vitlab.models.adapter import BlockView, Embeddings, conv_embeddings, register_adapter
-from vitlab.models.timm_families import _explicit_attention, _timm_filter, _TimmPlainBlocks
-from vitlab.models.timm_swin_v2 import _fused_bias
+from vitlab.models.adapter import BlockView, Embeddings, conv_embeddings
+from vitlab.models.timm_common import _explicit_attention, _fused_bias, _timm_filter, _TimmPlainBlocks
 
 __all__ = ["TimmBeitAdapter", "TimmEvaAdapter", "TimmViTRelPosAdapter"]
 
@@ -81,7 +80,6 @@ class _TimmTokenViT(_TimmPlainBlocks):
         return parts
 
 
-@register_adapter
 class TimmEvaAdapter(_TimmTokenViT):
     """timm ``Eva`` (EVA, EVA-02 and timm's rotary ViTs) with pre-norm ``EvaBlock`` / ``EvaAttention``."""
 
@@ -121,7 +119,6 @@ class TimmEvaAdapter(_TimmTokenViT):
         return _timm_filter(eva.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmBeitAdapter(_TimmTokenViT):
     """timm ``Beit``: per-block (or shared) relative position bias over patches + class token, q/v
     biases without a k bias, LayerScale ``gamma_1`` / ``gamma_2``."""
@@ -157,7 +154,6 @@ class TimmBeitAdapter(_TimmTokenViT):
         return _timm_filter(beit.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmViTRelPosAdapter(_TimmTokenViT):
     """timm ``VisionTransformerRelPos`` with pre-norm ``RelPosBlock``: a per-block (or shared) relative
     position bias from ``RelPosBias`` tables or the log-coordinate ``RelPosMlp``."""

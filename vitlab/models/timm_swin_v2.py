@@ -10,38 +10,16 @@ V2, ``meta_mlp(sign(d) log(1 + |d|))`` for V2-Cr. The Q/K/V views are the fused 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
-import torch
 from torch import Tensor, nn
 from timm.models import swin_transformer_v2 as swin2
 from timm.models import swin_transformer_v2_cr as swin2cr
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
-from vitlab.models.timm_families import _timm_filter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
+from vitlab.models.timm_common import _fused_bias, _hooked, _timm_filter
 
 __all__ = ["TimmSwinV2Adapter", "TimmSwinV2CrAdapter"]
-
-@contextmanager
-def _hooked(site: nn.Module, sink: Callable[[Tensor], None], use_output: bool) -> Iterator[None]:
-    """Report the probabilities passing ``site`` (output of ``softmax`` or input of ``attn_drop``)."""
-    if use_output:
-        handle = site.register_forward_hook(lambda module, args, output: sink(output))
-    else:
-        handle = site.register_forward_pre_hook(lambda module, args: sink(args[0]))
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def _fused_bias(attn: nn.Module) -> Optional[Tensor]:
-    """(3C',) bias q | k | v of a timm attention with separate ``q_bias`` / ``k_bias`` / ``v_bias``."""
-    if attn.q_bias is None:
-        return attn.qkv.bias
-    k_bias = attn.k_bias if attn.k_bias is not None else torch.zeros_like(attn.q_bias)
-    return torch.cat([attn.q_bias, k_bias, attn.v_bias])
 
 
 class _TimmSwinV2Base(FamilyAdapter):
@@ -102,7 +80,6 @@ class _TimmSwinV2Base(FamilyAdapter):
         return entries
 
 
-@register_adapter
 class TimmSwinV2Adapter(_TimmSwinV2Base):
     """timm ``SwinTransformerV2``: res-post-norm blocks, cosine attention, CPB-MLP bias (16 sigmoid)."""
 
@@ -136,7 +113,6 @@ class TimmSwinV2Adapter(_TimmSwinV2Base):
         return _timm_filter(swin2.checkpoint_filter_fn, state_dict, model)
 
 
-@register_adapter
 class TimmSwinV2CrAdapter(_TimmSwinV2Base):
     """timm ``SwinTransformerV2Cr``: stages ``stages[s]`` (downsample first), cosine attention with a
     log-coordinate meta-MLP bias. The main-branch ``norm3`` (last block of the model, and periodically in

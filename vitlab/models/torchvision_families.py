@@ -13,14 +13,13 @@ from torch.overrides import TorchFunctionMode
 from torchvision.models import swin_transformer as tv_swin
 from torchvision.models import vision_transformer as tv_vit
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, register_adapter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
 
 __all__ = ["TorchvisionSwinAdapter", "TorchvisionSwinV2Adapter", "TorchvisionViTAdapter"]
 
 DEFAULT_IMAGE_SIZE = 224
 
 
-@register_adapter
 class TorchvisionViTAdapter(FamilyAdapter):
     """torchvision ``VisionTransformer`` (vit_b_16 ... vit_h_14) with a patchify ``conv_proj``."""
 
@@ -129,7 +128,6 @@ def _tv_swin_stages(model: nn.Module) -> list[tuple[int, nn.Sequential]]:
             and isinstance(module[0], tv_swin.SwinTransformerBlock)]
 
 
-@register_adapter
 class TorchvisionSwinAdapter(FamilyAdapter):
     """torchvision ``SwinTransformer`` v1 (swin_t, swin_s, swin_b); patch merging between stages."""
 
@@ -230,7 +228,6 @@ class TorchvisionSwinAdapter(FamilyAdapter):
         return entries
 
 
-@register_adapter
 class TorchvisionSwinV2Adapter(TorchvisionSwinAdapter):
     """torchvision ``SwinTransformer`` with ``SwinTransformerBlockV2`` (swin_v2_t/s/b): res-post-norm
     blocks, cosine attention with a learned logit scale and a 16 sigmoid(CPB MLP) position bias.

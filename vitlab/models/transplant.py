@@ -9,8 +9,9 @@ from typing import Union
 import torch
 from torch import nn
 
-from vitlab.models.adapter import get_adapter, unwrap_model
+from vitlab.models.adapter import unwrap_model
 from vitlab.models.anatomy import part_prefixes, select_blocks
+from vitlab.models.registry import get_adapter
 
 __all__ = ["TransplantReport", "transplant", "transplant_parts"]
 

@@ -10,18 +10,16 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
-from vitlab.models.adapter import get_adapter, unwrap_model
+from vitlab.models.adapter import unwrap_model
+from vitlab.models.errors import WeightsMismatchError
+from vitlab.models.registry import get_adapter
 
-__all__ = ["LoadReport", "WeightsMismatchError", "load_weights", "read_state_dict"]
+__all__ = ["LoadReport", "load_weights", "read_state_dict"]
 
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors")
 _CONTAINER_KEYS = ("state_dict", "model", "module", "model_state_dict")
 _WRAPPER_PREFIXES = ("model.", "module.", "_orig_mod.", "backbone.body.")  # last: a detector's / segmenter's backbone
 _SHOWN_KEYS = 3
-
-
-class WeightsMismatchError(ValueError):
-    """A weights file does not fit the model's architecture."""
 
 
 @dataclass(frozen=True)
