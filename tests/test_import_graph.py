@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "vitlab"
 ACYCLIC_PACKAGES = ["vitlab.models"]  # package prefixes that must hold no import circle
-WHOLE_PACKAGE_ACYCLIC = False  # switch on once the circles outside vitlab.models are gone
+WHOLE_PACKAGE_ACYCLIC = True  # no import circle anywhere in vitlab
 SCOPES = [PACKAGE] if WHOLE_PACKAGE_ACYCLIC else ACYCLIC_PACKAGES
 
 
