@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time
-import vitlab  # noqa: F401  (first, as train.py imports it)
+from vitlab.runtime import set_openmp_env
+
+set_openmp_env()  # (first, as train.py does: before torch)
 import pytorch_lightning as pl
 
 cpu = {"train steps": 0.0, "validation": 0.0, "Q/K/V callbacks": 0.0}

@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import vitlab  # noqa: F401  (first: its OpenMP spin policy must precede torch's thread pool)
+from vitlab.runtime import set_openmp_env
+
+set_openmp_env()  # (first: its OpenMP spin policy must precede torch's thread pool)
 import pytorch_lightning as pl
 import torch
 import yaml

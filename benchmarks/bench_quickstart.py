@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BARE = r"""
 import json, sys, time
 if sys.argv[3] == "vitlab":
-    import vitlab  # noqa: F401  (first: vitlab's OpenMP spin policy, as in a vitlab run)
+    from vitlab.runtime import set_openmp_env  # (first: vitlab's OpenMP spin policy, as train.py sets it)
+    set_openmp_env()
 import torch  # else torch's own OpenMP settings
 torch.set_num_threads(int(sys.argv[2]))
 import yaml
@@ -70,7 +71,8 @@ print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads(), "openmp
 
 QUICKSTART = r"""
 import collections, functools, json, sys, time
-import vitlab  # noqa: F401  (first, as train.py imports it: its OpenMP spin policy precedes torch)
+from vitlab.runtime import set_openmp_env
+set_openmp_env()  # (first, as train.py does: its OpenMP spin policy precedes torch)
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loops import evaluation_loop, fetchers, fit_loop
@@ -196,6 +198,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="quiet quickstart runs; the fastest is compared with the "
                         "fastest bare loop (default 2: other jobs on a shared machine slow single runs)")
     parser.add_argument("--no-load", action="store_true", help="skip the run under a competing load")
+    parser.add_argument("--inline-figures", action="store_true", help="also run the quickstart with runtime.figures inline "
+                        "(figures drawn in the training process) and off, side by side: what the figure worker saves")
     opts = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     print(f"machine: {cores} usable cores, load average {os.getloadavg()[0]:.1f} (shared machines: compare ratios, not seconds)")
@@ -215,6 +219,10 @@ def main() -> None:
             print("quickstart fits     : " + ", ".join(f"{q['fit_s']:.1f} s" for q, _, _ in runs) + " (the fastest is reported, as the fastest bare loop is)")
         quick, quick_wall, quick_cpu = min(runs, key=lambda run: run[0]["fit_s"])
         report(bare, quick, quick_wall, quick_cpu)
+        if opts.inline_figures:
+            for mode in ("inline", "off", "auto"):
+                other = run_child(QUICKSTART, [*quickstart_args(str(Path(tmp) / mode), steps), "--runtime.figures", mode])[0]
+                print(f"figures {mode:6s}      : fit {other['fit_s']:5.1f} s, {other['fit_cpu_s']:5.1f} CPU-s of the training process")
         if opts.no_load:
             return
         load = competing_load(cores)
