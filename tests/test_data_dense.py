@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from vitlab.data.dense import DenseDataset, MaskError, boxes_of, dense_collate, instances
-from vitlab.data.dense_datamodule import DenseDataModule
+from vitlab.data.datamodule import DenseDataModule
 from vitlab.data.layouts import Sample, SkippedFileWarning
 
 NORM = A.Normalize(mean=(0.0,), std=(1.0,), max_pixel_value=1.0)

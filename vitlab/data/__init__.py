@@ -1,8 +1,6 @@
 """Files -> arrays -> batches: DICOM/PNG reading, layouts, splits, synthetic data, DataModule."""
 
 from vitlab.data.cache import ArrayCache, cache_root
-from vitlab.data.datamodule import MedicalDataModule
-from vitlab.data.dense_datamodule import DenseDataModule
 from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.io import (
     WINDOW_PRESETS,
@@ -23,6 +21,8 @@ __all__ = [
     "ImageReadError",
     "ImageReader",
     "DenseDataModule",
+    "DenseImageData",
+    "ImageData",
     "MedicalDataModule",
     "MedicalImageDataset",
     "ReadOptions",
@@ -37,13 +37,15 @@ __all__ = [
 ]
 
 
+_LAZY = {"embedded_dataset": "synthetic", "generate": "synthetic", "ImageData": "image_data", "MedicalDataModule": "datamodule",
+         "DenseImageData": "dense_data", "DenseDataModule": "datamodule"}
+
+
 def __getattr__(name: str):
-    """Load ``embedded_dataset`` and ``generate`` on first use.
+    """Load on first use: the data modules (Lightning, which probes do not import) and ``embedded_dataset`` /
+    ``generate`` (importing them eagerly would make ``python -m vitlab.data.synthetic`` load that module twice)."""
+    if name in _LAZY:
+        import importlib
 
-    Importing them eagerly would make ``python -m vitlab.data.synthetic`` load that module twice.
-    """
-    if name in ("embedded_dataset", "generate"):
-        from vitlab.data import synthetic
-
-        return getattr(synthetic, name)
+        return getattr(importlib.import_module(f"vitlab.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'vitlab.data' has no attribute {name!r}")

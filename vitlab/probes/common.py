@@ -216,12 +216,13 @@ def _datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
 
 def _data_module(data: dict[str, Any], **overrides: Any):
     """The data module of a training config's data section (a detection run's COCO JSON through the dense one)."""
-    from vitlab.data import DenseDataModule, MedicalDataModule
+    from vitlab.data.dense_data import DenseImageData
+    from vitlab.data.image_data import ImageData
 
     args = {**_datamodule_args(data), **overrides}
     if (data or {}).get("coco_json"):  # its images are those of the JSON, not of `root`
-        return DenseDataModule(**args, coco_json=data["coco_json"], coco_mask_dir=data.get("coco_mask_dir"))
-    return MedicalDataModule(**args)
+        return DenseImageData(**args, coco_json=data["coco_json"], coco_mask_dir=data.get("coco_mask_dir"))
+    return ImageData(**args)
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -273,7 +274,8 @@ class ImageStream:
 
 def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageStream:
     """The images :func:`load_images` would return, as a stream (the files are listed, not read)."""
-    from vitlab.data import MedicalDataModule, read_image
+    from vitlab.data import read_image
+    from vitlab.data.image_data import ImageData
 
     in_chans, height, width = models.input_size(loaded.model)
     mean, std = models.normalization(loaded.model)
@@ -293,7 +295,7 @@ def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: i
         raise ValueError(f"the data has no '{split}' images; choose --split among those present or pass --images")
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(samples), generator=generator)[:count].tolist()
-    dataset = MedicalDataModule.dataset(dm, split)  # (image, label) items, also for a dense data module
+    dataset = ImageData.dataset(dm, split)  # (image, label) items, also for dense data
 
     def read(i: int) -> tuple[torch.Tensor, int, str]:
         image, label = dataset[order[i]]

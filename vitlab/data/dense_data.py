@@ -1,14 +1,14 @@
-"""LightningDataModule for detection and segmentation: images + label-map masks (see :mod:`vitlab.data.dense`)."""
+"""Detection and segmentation data: images + label-map masks (see :mod:`vitlab.data.dense`), without Lightning."""
 
 from __future__ import annotations
 
-from vitlab.data.datamodule import MedicalDataModule
+from vitlab.data.image_data import ImageData
 from vitlab.data.dense import DenseDataset, check_masks, dense_collate, scan_coco
 from vitlab.data.layouts import Sample
 
 
-class DenseDataModule(MedicalDataModule):
-    """:class:`~vitlab.data.MedicalDataModule` whose batches carry masks, boxes and instances.
+class DenseImageData(ImageData):
+    """:class:`~vitlab.data.datamodule.ImageData` whose batches carry masks, boxes and instances.
 
     Batches are ``(images (B, C, S, S), targets)`` with one dict per image (see
     :class:`~vitlab.data.dense.DenseDataset`). The split is the classifier's (patient-grouped, stratified
@@ -37,6 +37,7 @@ class DenseDataModule(MedicalDataModule):
             raise ValueError("mask_classes must name at least one foreground class")
         self.num_mask_classes = len(self.mask_classes)
         self.collate_fn = dense_collate
+        self.arguments.update(mask_classes=self.mask_classes, coco_json=coco_json, coco_mask_dir=coco_mask_dir)
 
     def _prepare(self) -> list[Sample]:
         if self._samples is not None:

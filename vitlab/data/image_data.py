@@ -1,0 +1,349 @@
+"""Files -> splits -> augmented, normalised batches, without Lightning (probes use it; ``train.py`` uses the
+LightningDataModule over it, :class:`vitlab.data.datamodule.MedicalDataModule`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+import albumentations as A
+import torch
+from torch.utils.data import DataLoader
+
+from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
+from vitlab.data.dataset import MedicalImageDataset
+from vitlab.data.embedded import EmbeddedOptions, embedded_options
+from vitlab.data.io import ImageReader, ReadOptions
+from vitlab.data.layouts import SPLITS, UNLABELLED, Sample, check_files, patient_overlap, scan, split_by_patient
+from vitlab.data.sampling import EpochSampler, KeyedAugmentation
+from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
+
+
+class ImageData:
+    """Medical images from class folders, a CSV manifest or the embedded synthetic CT set (see
+    :class:`MedicalDataModule` for the LightningDataModule over it).
+
+    ``__init__`` only scans the layout (file names, labels), so ``num_classes``, ``class_names``
+    and ``in_chans`` exist right after construction for LightningCLI's argument links. Headers are
+    checked and splits assigned on first need (``setup`` or :meth:`samples`); pixels are decoded
+    only by the dataloaders.
+
+    Bad files, without decoding anything twice: ``setup`` reads every header once (missing files,
+    non-DICOM, no pixel data, missing decoder plugin, truncated uncompressed pixels; DICOM
+    PatientIDs for the split). Under ``on_bad_file="skip"`` each is warned about and dropped and
+    ``skipped_files`` counts them (logged as ``data/skipped_files`` to the trainer's loggers);
+    under ``"error"`` the first one stops the run. The headers stay in ``self.reader``, so the
+    loaders read uncompressed pixels without parsing again; a file that still fails at decode
+    time (e.g. corrupt compressed data) is warned about and replaced by the next image.
+
+    Args:
+        root: Class-folder root or a ``.csv`` manifest; None -> the embedded synthetic dataset.
+        image_size: Side of the square model input in pixels.
+        in_chans: 1 (grayscale) or 3 (colour; grayscale images are replicated).
+        batch_size: Images per batch.
+        num_workers: DataLoader worker processes (0 = load in the main process); they change the speed, never the
+            batches. ``train.py`` sets it from ``runtime.workers``.
+        window: Window preset name (see ``vitlab.data.io.WINDOW_PRESETS``); None -> file tags / min-max.
+        window_center: Explicit window center (HU for CT); needs ``window_width``.
+        window_width: Explicit window width.
+        window_index: Which of the file's windows to use when it lists several.
+        frames: ``"middle"`` or a frame index for multi-frame files.
+        val_fraction: Share of patients for validation when the manifest has no split column.
+        test_fraction: Share of patients for test when the manifest has no split column.
+        seed: Seed of the patient split, the shuffling and the augmentations.
+        on_bad_file: ``"skip"`` (warn, drop, count in ``skipped_files``) or ``"error"``.
+        augment: Built-in recipe: ``"none"``, ``"light"``, ``"default"`` or ``"strong"``.
+        train_transforms: Full override of the training augmentations (vitlab appends resize + Normalize).
+        mean: Normalize mean per channel; None -> ImageNet (averaged for one channel).
+        std: Normalize std per channel; None -> ImageNet.
+        cache: Keep decoded arrays on disk so epochs >= 2 skip decoding.
+        memory_cache_mb: Keep decoded images (before augmentation; with their masks for detection and
+            segmentation) and finished validation / test tensors in memory, up to this many MiB per process
+            (each loader worker holds its own; nothing is added once full); 0: off. The quickstart's embedded
+            dataset takes 9 MiB; a 512 x 512 CT slice for a 224 input 0.25 MiB (kept at 256 x 256).
+        cache_dir: Folder of that cache; None -> ``$VITLAB_CACHE/arrays`` or ``~/.cache/vitlab/arrays``.
+        embedded_kwargs: Options of the embedded dataset when ``root`` is None (:class:`EmbeddedOptions` or a
+            dict of its fields; typed, so ``--data.embedded_kwargs.patients 24`` reaches it as an int).
+        classes: Fix the class names and their order; any other label is an error.
+        labels: False: unlabelled images for self-supervised pretraining (``task: dino``): every image under
+            ``root`` (any folder structure), or a manifest's ``path`` column (a ``label`` column is ignored).
+            All of them train (no labels to validate with: ``val_fraction`` / ``test_fraction`` are unused), unless
+            the manifest has a ``split`` column: then only its ``train`` rows do, and its val / test rows are left
+            out (test patients stay out of pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
+        unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
+            a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
+            scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
+            belong to labelled val / test patients (their k-NN score would be optimistic).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        image_size: int = 224,
+        in_chans: int = 1,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        window: str | None = None,
+        window_center: float | None = None,
+        window_width: float | None = None,
+        window_index: int = 0,
+        frames: str | int = "middle",
+        val_fraction: float = 0.2,
+        test_fraction: float = 0.0,
+        seed: int = 0,
+        on_bad_file: Literal["skip", "error"] = "skip",
+        augment: str = "default",
+        train_transforms: A.Compose | None = None,
+        mean: list[float] | None = None,
+        std: list[float] | None = None,
+        cache: bool = False,
+        cache_dir: str | None = None,
+        memory_cache_mb: int = 512,
+        embedded_kwargs: EmbeddedOptions | None = None,
+        classes: list[str] | None = None,
+        labels: bool = True,
+        unlabelled_root: str | None = None,
+    ) -> None:
+        embedded = embedded_options(embedded_kwargs)
+        embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
+        self.arguments = {k: v for k, v in locals().items() if k not in ("self", "embedded", "train_transforms", "__class__")}
+        _check_positive(image_size=image_size, batch_size=batch_size)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if isinstance(memory_cache_mb, bool) or not isinstance(memory_cache_mb, int) or memory_cache_mb < 0:
+            raise ValueError(f"memory_cache_mb must be an int >= 0 (MiB per process; 0 = off), got {memory_cache_mb!r}")
+        self.memory = MemoryCache(memory_cache_mb * 2**20) if memory_cache_mb else None
+        if on_bad_file not in ("skip", "error"):
+            raise ValueError(f"on_bad_file must be 'skip' or 'error', got {on_bad_file!r}")
+        if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError(
+                f"val_fraction ({val_fraction}) and test_fraction ({test_fraction}) must be in [0, 1) "
+                "and sum to less than 1"
+            )
+        if frames == "all":
+            raise ValueError("frames='all' gives a volume per file; the DataModule needs 'middle' or a frame index")
+        self.read_options = ReadOptions(window, window_center, window_width, window_index, frames)
+        self.reader = ImageReader(self.read_options)  # remembers headers from setup's check for the loaders
+        self.mean, self.std = normalization_stats(in_chans, mean, std)
+        self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
+        self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.augment, self.user_transforms = augment, train_transforms
+        self.train_transform = train_transform(  # validates the recipe / the user's Compose now
+            image_size, self.mean, self.std, augment=augment, user_transforms=train_transforms, seed=seed
+        )
+        self.eval_transform = eval_transform(image_size, self.mean, self.std)
+
+        if root is None:
+            from vitlab.data.synthetic import embedded_dataset  # lazy: see vitlab.data.__getattr__
+
+            self.root = embedded_dataset(**embedded_kwargs)
+        else:
+            self.root = Path(root).expanduser()
+        self.labelled = bool(labels)
+        layout = scan(self.root, classes=classes, on_bad_file=on_bad_file, labels=self.labelled)
+        self._layout = layout
+        self.unlabelled_root = Path(unlabelled_root).expanduser() if unlabelled_root else None
+        self._unlabelled = scan(self.unlabelled_root, on_bad_file=on_bad_file, labels=False) if self.unlabelled_root else None
+        self.class_names: list[str] = layout.class_names
+        self.num_classes: int = len(layout.class_names)
+        self.skipped_files: int = len(layout.skipped or [])
+        self._samples: list[Sample] | None = None
+        self._skips_logged = False
+
+        self.array_cache: ArrayCache | None = None
+        if cache:
+            folder = Path(cache_dir).expanduser().resolve() if cache_dir else cache_root() / "arrays"
+            data_folder = (self.root if self.root.is_dir() else self.root.parent).resolve()
+            if folder.resolve().is_relative_to(data_folder):
+                raise ValueError(
+                    f"cache_dir {folder} is inside the data folder {data_folder}; vitlab never writes there"
+                )
+            options_key = repr(dataclasses.astuple(self.read_options))
+            self.array_cache = ArrayCache(folder, options_key)
+
+    # ------------------------------------------------------------------ splits
+    def _prepare(self) -> list[Sample]:
+        """Header-check the files and assign splits (once)."""
+        if self._samples is not None:
+            return self._samples
+        kept, skipped = check_files(self._layout.samples, self.on_bad_file, inspect=self.reader.inspect)
+        self.skipped_files = len(self._layout.skipped or []) + len(skipped)
+        extra: list[Sample] = []
+        if self._unlabelled is not None:
+            extra, extra_skipped = check_files(self._unlabelled.samples, self.on_bad_file, inspect=self.reader.inspect)
+            self.skipped_files += len(self._unlabelled.skipped or []) + len(extra_skipped)
+            extra = _training_only(extra)
+        samples = self._split(kept)
+        if extra:
+            _check_unlabelled_overlap(self.unlabelled_root, extra, samples)
+        self._samples = samples + extra
+        return self._samples
+
+    def _split(self, kept: list[Sample]) -> list[Sample]:
+        """The splits of the (labelled, or unlabelled with ``labels=False``) samples of ``root``."""
+        if not self.labelled:
+            if not kept:
+                raise ValueError(f"{self.root}: no readable images after skipping {self.skipped_files} bad file(s)")
+            samples = _training_only(kept)
+            if not samples:
+                raise ValueError(f"{self.root}: the manifest's split column puts no readable image in 'train'")
+            return samples
+        present = sorted({s.label for s in kept})
+        if len(present) < 2:
+            raise ValueError(
+                f"{self.root}: only {len(present)} class(es) {present} have readable images after "
+                f"skipping {self.skipped_files} bad file(s); need at least two"
+            )
+        if self._layout.has_split_column:
+            samples = kept
+            shared = patient_overlap(samples)
+            if shared:
+                example = next(iter(shared.items()))
+                warnings.warn(
+                    f"{self.root}: {len(shared)} patient(s) appear in several splits "
+                    f"(e.g. {example[0]!r} in {sorted(example[1])}); validation may be optimistic",
+                    stacklevel=2,
+                )
+        else:
+            samples = split_by_patient(
+                kept, val_fraction=self.val_fraction, test_fraction=self.test_fraction, seed=self.seed
+            )
+        missing = [c for c in self.class_names if not any(s.label == c and s.split == "train" for s in samples)]
+        if missing:
+            warnings.warn(f"{self.root}: class(es) {missing} have no training images", stacklevel=2)
+        if not self._layout.has_split_column and self.val_fraction > 0:
+            _check_validation(self.root, samples, self.val_fraction)
+        return samples
+
+    def samples(self, split: str) -> list[Sample]:
+        """Samples of one split (``"train"``, ``"val"`` or ``"test"``) with their patient ids."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        return [s for s in self._prepare() if s.split == split]
+
+    @property
+    def has_labels(self) -> bool:
+        """False for unlabelled images (``labels=False``): nothing to classify or validate against."""
+        return self.labelled
+
+    @property
+    def has_test(self) -> bool:
+        """True when a test split exists."""
+        return bool(self.samples("test"))
+
+    def split_counts(self) -> dict[str, dict[str, int]]:
+        """Images per class in each split, e.g. ``{"train": {"lesion": 115, ...}, ...}``."""
+        return {split: dict(Counter(s.label for s in self.samples(split))) for split in SPLITS}
+
+    trainer = None  # (the LightningDataModule's, when there is one)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check headers, assign splits and log ``data/skipped_files`` to the trainer's loggers."""
+        self._prepare()
+        trainer = self.trainer
+        if trainer is not None and not self._skips_logged:
+            from vitlab.outputs.tensorboard import resume_step
+
+            step = resume_step(trainer)  # 0, or the step a resumed run continues from (no second point at 0)
+            for logger in trainer.loggers:
+                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=step)
+            self._skips_logged = True
+
+    # ------------------------------------------------------------------ datasets and loaders
+    def dataset(self, split: str, *, augmented: bool = False, labelled_only: bool = False) -> MedicalImageDataset:
+        """Dataset of one split; ``augmented`` applies the training augmentations, else resize only;
+        ``labelled_only`` leaves out the unlabelled images (the k-NN memory bank)."""
+        samples = self.samples(split)
+        if labelled_only:
+            samples = [s for s in samples if s.label != UNLABELLED]
+        return MedicalImageDataset(
+            samples, self.class_names, self.train_transform if augmented else self.eval_transform,
+            in_chans=self.in_chans, read_options=self.read_options,
+            on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
+            memory=self.memory, deterministic=not augmented,
+        )  # fmt: skip
+
+    collate_fn = None  # (the dense data module's batches of targets)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,
+        whatever ``num_workers`` (see :mod:`vitlab.data.sampling`)."""
+        dataset = self.dataset(split, augmented=train)
+        sampler = None
+        if train:
+            epoch_of = lambda: self.trainer.current_epoch if self.trainer is not None else None  # noqa: E731
+            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, epoch_of=epoch_of)
+            dataset = KeyedAugmentation(dataset, self.seed)
+        workers = self.num_workers
+        if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever
+            import cv2
+
+            cv2.setNumThreads(1)
+        return DataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, augmented training batches ``(images (B, C, S, S), labels (B,))``."""
+        if not self.samples("train"):
+            raise ValueError(f"{self.root}: the training split is empty")
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches; an empty list (no validation) when the split is empty."""
+        return self._loader("val", train=False) if self.samples("val") else []
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches; only when a test split exists (see :attr:`has_test`)."""
+        if not self.has_test:
+            raise ValueError(
+                f"{self.root}: no test split; set test_fraction > 0 or add split=test rows to the manifest"
+            )
+        return self._loader("test", train=False)
+
+
+def _check_validation(root: Path, samples: list[Sample], val_fraction: float) -> None:
+    """An empty validation split stops the run (nothing to monitor); a class missing from it is warned about."""
+    patients: dict[str, set] = {}
+    for sample in samples:
+        patients.setdefault(sample.label, set()).add(sample.patient_id)
+    counts = ", ".join(f"{label}: {len(ids)}" for label, ids in sorted(patients.items()))
+    in_val = {s.label for s in samples if s.split == "val"}
+    if not in_val:
+        raise ValueError(
+            f"{root}: the patient-grouped split left validation empty (patients per class: {counts}; "
+            f"val_fraction {val_fraction}); add patients, give the manifest a 'split' column, or raise data.val_fraction")
+    absent = sorted(set(patients) - in_val)
+    if absent:
+        warnings.warn(
+            f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
+            "validation metrics ignore them", stacklevel=3)
+
+
+def _training_only(unlabelled: list[Sample]) -> list[Sample]:
+    """Unlabelled images train and nothing else: a manifest's val / test rows stay out (there are no labels to
+    score them with, and test patients stay out of pretraining); the rest get ``split="train"``."""
+    return [dataclasses.replace(s, split="train") for s in unlabelled if s.split in (None, "train")]
+
+
+def _check_unlabelled_overlap(root: Path, extra: list[Sample], samples: list[Sample]) -> None:
+    """Warn when unlabelled training images belong to patients of the labelled val / test splits."""
+    held_out = {s.patient_id: s.split for s in samples if s.split in ("val", "test")}
+    shared = [s for s in extra if s.patient_id in held_out]
+    if shared:
+        example = shared[0]
+        warnings.warn(
+            f"unlabelled_root {root}: {len(shared)} image(s) belong to labelled {sorted({held_out[s.patient_id] for s in shared})} "
+            f"patients (e.g. {example.path.name}: {example.patient_id!r}); pretraining on them makes the k-NN score optimistic",
+            stacklevel=3)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
