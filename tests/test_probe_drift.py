@@ -12,7 +12,7 @@ from vitlab.callbacks._state import head_counts, qkv_state
 from vitlab.cli import probe_main
 from vitlab.models.testing import tiny_model
 from vitlab.probes import main
-from vitlab.tblog import save_safetensors
+from vitlab.outputs.files import save_safetensors
 
 
 def snapshot(model, path):

@@ -18,7 +18,7 @@ import torch
 from tests.test_train_e2e import events, tiny_args
 from vitlab.callbacks._state import load_snapshot, qkv_state
 from vitlab.cli import fit
-from vitlab.tblog import flush_figures
+from vitlab.runtime import figure_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ class SigkillAfterEpoch(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == self.epoch:
-            flush_figures()  # the images handed to the figure process so far (a kill loses those not yet written)
+            figure_worker(trainer).flush()  # the images handed to the figure worker so far (a kill loses those not yet written)
             trainer.logger.experiment.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -7,18 +7,19 @@ import numpy as np
 import torch
 
 from vitlab.analysis import head_grid
-from vitlab.callbacks.drift import LOCAL_METRICS, local_drift_figure
+from vitlab.callbacks.drift import LOCAL_METRICS
+from vitlab.outputs.figures import local_drift_figure
 from vitlab.callbacks.spectra import block_spectra, report_spectra
 
 
 class RecordingWriter:
-    """Keeps the figures given to ``add_figure`` (open) and accepts everything else."""
+    """Accepts scalars (and is its own figure worker: keeps the figures it is given, built and open)."""
 
     def __init__(self) -> None:
         self.figures: dict[str, object] = {}
 
-    def add_figure(self, tag, fig, step):
-        self.figures[tag] = fig
+    def submit(self, writer, tag, step, figure):
+        self.figures[tag] = figure.build()
 
     def add_scalar(self, *args, **kwargs):
         pass
@@ -57,7 +58,7 @@ def test_spectra_heads_figure_has_blocks_heads_and_unit_colour_range():
             state[f"{block}.{m}.weight"] = torch.randn(dim, dim, generator=gen)
     spectra = block_spectra(state, heads)
     writer = RecordingWriter()
-    report_spectra(writer, spectra, step=3)
+    report_spectra(writer, spectra, step=3, figure_worker=writer)
     fig = writer.figures["spectra_heads/positive_mass"]
     ax = next(a for a in fig.axes if a.get_images())
     image = ax.get_images()[0]
@@ -76,7 +77,7 @@ def test_spectra_heads_figure_has_blocks_heads_and_unit_colour_range():
 def test_figures_are_drawn_about_five_times_per_run_and_at_both_ends():
     from types import SimpleNamespace
 
-    from vitlab.tblog import figures_due
+    from vitlab.outputs.tensorboard import figures_due
 
     thirty = SimpleNamespace(max_epochs=30)
     assert [e for e in range(31) if figures_due(thirty, e)] == [0, 1, 8, 16, 24, 30]
@@ -92,7 +93,7 @@ def test_add_scalars_writes_what_add_scalar_writes_in_one_event(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from vitlab.tblog import add_scalars
+    from vitlab.outputs.tensorboard import add_scalars
 
     gen = torch.Generator().manual_seed(4)
     values = {f"drift/m{i}/stage{j}.block0.q": float(torch.randn((), generator=gen)) for i in range(5) for j in range(3)}

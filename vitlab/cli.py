@@ -118,8 +118,7 @@ class VitlabCLI(LightningCLI):
         gpu = _trains_on_gpu(self.config.trainer.get("accelerator"))
         self.runtime = Runtime(**self.config.runtime).resolved(gpu)
         self.runtime.apply()
-        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
-            print(self.runtime.describe(available_cores(), gpu), file=sys.stderr)
+        self.runtime_line = self.runtime.describe(available_cores(), gpu)  # printed once the run is set up
         self._recipe = cli_support.clean_recipe(self.config)
         self._recipe.runtime.threads, self._recipe.runtime.workers = self.runtime.threads, self.runtime.workers
         ckpt_path = self.config.get("ckpt_path")
@@ -201,6 +200,8 @@ def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[
         parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
         args=args,
     )
+    if cli.trainer.is_global_zero:
+        print(cli.runtime_line, file=sys.stderr)
     cli_support.without_validation(cli.trainer, cli.datamodule)  # unlabelled images, val_fraction 0
     if cli.config.get("ckpt_path"):
         from vitlab.outputs.tensorboard import purge_after_checkpoint
