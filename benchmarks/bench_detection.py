@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from vitlab.callbacks._state import head_counts, qkv_state, snapshot_name
-from vitlab.callbacks.drift import report_drift
-from vitlab.callbacks.spectra import block_spectra, report_spectra
+from vitlab.qkv.state import head_counts, qkv_state, snapshot_name
+from vitlab.qkv.drift import report_drift
+from vitlab.qkv.spectra import block_spectra, report_spectra
 from vitlab.models import build_detector, parameter_groups
 from vitlab.outputs.files import save_safetensors
 from _timing import best_of  # benchmarks/_timing.py

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from tests.test_train_e2e import TINY_SWIN, events
-from vitlab.callbacks._state import load_snapshot
+from vitlab.qkv.state import load_snapshot
 from vitlab.cli import fit
 
 # a collective that one rank never reaches fails after 3 minutes instead of hanging the suite

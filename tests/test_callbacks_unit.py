@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vitlab.callbacks import QKSpectra, QKVDrift, QKVSnapshot
-from vitlab.callbacks._state import head_counts, qkv_state
+from vitlab.qkv.state import head_counts, qkv_state
 from vitlab.models import qkv
 from vitlab.models.testing import tiny_model
 

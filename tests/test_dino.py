@@ -205,7 +205,7 @@ def dino_config(manifest, save_dir, epochs=2):
 
 
 def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
-    from vitlab.callbacks._state import load_snapshot
+    from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit
 
     cfg = dino_config(tiny_dataset, tmp_path / "runs", epochs=1)
@@ -223,7 +223,7 @@ def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
     assert any(k.startswith("teacher_model.") for k in state) and "criterion.center" in state
     assert not any(k.startswith("model.head.") and k.endswith("weight") and state[k].ndim == 2 and state[k].shape[0] == 2 for k in state)
     snap, meta = load_snapshot(run / "qkv" / "epoch_001.safetensors")  # the callbacks saw the student backbone
-    from vitlab.callbacks._state import qkv_state
+    from vitlab.qkv.state import qkv_state
 
     live = qkv_state(cli.model.model)
     assert all(torch.equal(snap[k], live[k]) for k in live)
@@ -238,7 +238,7 @@ def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
 
 
 def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_dataset, tmp_path, capsys):
-    from vitlab.callbacks._state import load_snapshot
+    from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit, train_main
     from tests.test_train_e2e import tiny_args
 

@@ -14,8 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from vitlab.callbacks.drift import report_drift
-from vitlab.callbacks.spectra import block_spectra, report_spectra
+from vitlab.qkv.drift import report_drift
+from vitlab.qkv.spectra import block_spectra, report_spectra
 from vitlab.outputs.figures import Figure, Heatmap, StageCurves, confusion_matrix, new_figure
 from vitlab.runtime import FigureWorker
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vitlab import models
-from vitlab.callbacks._state import qkv_state
+from vitlab.qkv.state import qkv_state
 
 SWIN = ("swin_tiny_patch4_window7_224", dict(patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4))
 VIT = ("vit_tiny_patch16_224", dict(patch_size=8, embed_dim=32, depth=2, num_heads=2))

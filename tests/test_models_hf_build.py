@@ -153,7 +153,7 @@ def test_fit_hf_model_with_qkv_callbacks(tiny_dataset, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tests.test_train_e2e import tiny_args
-    from vitlab.callbacks._state import load_snapshot, qkv_state
+    from vitlab.qkv.state import load_snapshot, qkv_state
     from vitlab.cli import fit
 
     args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1)

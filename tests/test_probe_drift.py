@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_train_e2e import events
-from vitlab.callbacks._state import head_counts, qkv_state
+from vitlab.qkv.state import head_counts, qkv_state
 from vitlab.cli import probe_main
 from vitlab.models.testing import tiny_model
 from vitlab.probes import main

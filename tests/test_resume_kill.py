@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 
 from tests.test_train_e2e import events, tiny_args
-from vitlab.callbacks._state import load_snapshot, qkv_state
+from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit
 from vitlab.runtime import figure_worker
 

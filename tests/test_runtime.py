@@ -97,7 +97,7 @@ def test_frozen_heap_freezes_survivors_for_the_fit_only():
 def _fit_outputs(args: list[str]):
     """The last Q/K/V snapshot and every scalar of a fit: what must not change."""
     from tests.test_train_e2e import events
-    from vitlab.callbacks._state import load_snapshot
+    from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit
 
     threads = torch.get_num_threads()

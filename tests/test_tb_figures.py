@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from vitlab.analysis import head_grid
-from vitlab.callbacks.drift import LOCAL_METRICS
+from vitlab.qkv.drift import LOCAL_METRICS
 from vitlab.outputs.figures import local_drift_figure
-from vitlab.callbacks.spectra import block_spectra, report_spectra
+from vitlab.qkv.spectra import block_spectra, report_spectra
 
 
 class RecordingWriter:

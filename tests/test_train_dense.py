@@ -9,7 +9,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from vitlab.callbacks._state import load_snapshot, qkv_state
+from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit
 from vitlab.training import DetectionModule, SegmentationModule
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from tests.test_train_dense import dense_args, events
-from vitlab.callbacks._state import load_snapshot, qkv_state
+from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit
 from vitlab.probes import main as probe
 

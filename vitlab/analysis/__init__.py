@@ -4,7 +4,17 @@ Every formula of SPEC §3-§6 lives here once; callbacks and probes gather tenso
 ``vitlab.models`` and call these functions.
 """
 
-from vitlab.analysis.drift import ROW_METRICS, drift_summary, head_grid, matrix_drift, row_drift
+from vitlab.analysis.drift import (
+    DRIFT_METRICS,
+    MATRIX_METRICS,
+    ROW_METRICS,
+    drift_summary,
+    drift_tables,
+    extra_drift,
+    head_grid,
+    matrix_drift,
+    row_drift,
+)
 from vitlab.analysis.moments import Moments, central_moments, merge_moments
 from vitlab.analysis.probing import ProbeScore, balanced_accuracy, knn_probe, linear_probe, weighted_knn
 from vitlab.analysis.mi import (
@@ -16,7 +26,7 @@ from vitlab.analysis.mi import (
     mi_vs_distance,
 )
 from vitlab.analysis.rollout import attention_rollout, pool_tokens, rollout_map
-from vitlab.analysis.spectra import QKSpectra, effective_rank, qk_matrices, qk_spectra
+from vitlab.analysis.spectra import QKSpectra, block_spectra, effective_rank, qk_matrices, qk_spectra
 from vitlab.analysis.stats import AngleStats, attention_vs_angle, excess_kurtosis, linear_cka
 
 __all__ = [
@@ -29,6 +39,11 @@ __all__ = [
     "linear_probe",
     "weighted_knn",
     "ROW_METRICS",
+    "DRIFT_METRICS",
+    "MATRIX_METRICS",
+    "drift_tables",
+    "extra_drift",
+    "block_spectra",
     "row_drift",
     "matrix_drift",
     "drift_summary",

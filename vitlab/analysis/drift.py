@@ -11,10 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_METRICS", "row_drift", "matrix_drift", "drift_summary", "head_grid"]
+__all__ = ["ROW_METRICS", "DRIFT_METRICS", "MATRIX_METRICS", "row_drift", "matrix_drift", "drift_summary", "head_grid", "drift_tables", "extra_drift"]
 
 #: Keys of :func:`row_drift`, in a stable order (also the metrics :func:`matrix_drift` aggregates).
 ROW_METRICS: tuple[str, ...] = ("cosine_distance", "euclidean", "mse", "dot", "ref_norm", "cur_norm")
+
+#: Per-row metrics whose means a Q/K/V drift report shows, and its per-matrix metrics.
+DRIFT_METRICS: tuple[str, ...] = ("cosine_distance", "euclidean", "mse", "dot")
+MATRIX_METRICS: tuple[str, ...] = ("rel_frobenius", "norm_ratio")
+_MATRICES = ("q", "k", "v")
 
 _ROW_CHUNK_ELEMENTS = 1 << 17  # CPU: rows are processed in blocks of about this many elements (cache)
 
@@ -148,3 +153,37 @@ def head_grid(values: Tensor, num_heads: int) -> Tensor:
     if num_heads < 1 or values.numel() % num_heads:
         raise ValueError(f"head_grid: num_heads={num_heads} must be >= 1 and divide the {values.numel()} rows")
     return values.reshape(num_heads, values.numel() // num_heads)
+
+
+def drift_tables(
+    ref: dict[str, Tensor], cur: dict[str, Tensor], blocks: list[str]
+) -> tuple[dict[tuple[str, str], dict[str, Tensor]], dict[tuple[str, str], dict[str, float]]]:
+    """Per-row drift and per-matrix summaries of every (block, Q|K|V) weight between two flat Q/K/V states
+    (``{block}.{q|k|v}.weight`` keys, see :func:`vitlab.qkv.state.qkv_state`).
+
+    Returns:
+        rows: (block, matrix) -> ``row_drift`` output (per-row float64 tensors).
+        summary: (block, matrix) -> row-metric means plus ``rel_frobenius`` (||cur - ref||_F / ||ref||_F)
+        and ``norm_ratio`` (||cur||_F / ||ref||_F).
+    """
+    rows: dict[tuple[str, str], dict[str, Tensor]] = {}
+    summary: dict[tuple[str, str], dict[str, float]] = {}
+    for block in blocks:
+        for m in _MATRICES:
+            key = f"{block}.{m}.weight"
+            rows[(block, m)] = r = row_drift(ref[key], cur[key])
+            full = drift_summary(r)
+            summary[(block, m)] = {**{name: full[f"{name}_mean"] for name in DRIFT_METRICS}, **{k: full[k] for k in MATRIX_METRICS}}
+    return rows, summary
+
+
+def extra_drift(ref: dict[str, Tensor], cur: dict[str, Tensor]) -> dict[str, float]:
+    """Absolute Frobenius change ||cur - ref||_F of biases and relative-position tables (``key`` -> value).
+
+    Absolute, not relative: biases commonly start at zero, where a relative change has no scale.
+    """
+    return {
+        key: float((value.double() - ref[key].double()).norm())
+        for key, value in cur.items()
+        if not key.endswith(".weight") and key in ref
+    }

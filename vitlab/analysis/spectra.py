@@ -188,3 +188,8 @@ def qk_matrices(wq: Tensor, wk: Tensor, num_heads: int) -> Tensor:
     """
     wq_h, wk_h = _split_heads(wq, wk, num_heads)  # (H, hd, C)
     return wq_h.to(torch.float64).mT @ wk_h.to(torch.float64)  # (H, C, C)
+
+
+def block_spectra(state: dict[str, Tensor], heads: dict[str, int]) -> dict[str, QKSpectra]:
+    """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.qkv.state.qkv_state`)."""
+    return {b: qk_spectra(state[f"{b}.q.weight"], state[f"{b}.k.weight"], h) for b, h in heads.items()}

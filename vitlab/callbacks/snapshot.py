@@ -8,7 +8,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
-from vitlab.callbacks._state import EpochCallback, head_counts, qkv_state, snapshot_name, unwrap
+from vitlab.callbacks.base import EpochCallback
+from vitlab.qkv.state import head_counts, qkv_state, snapshot_name, unwrap
 from vitlab.outputs.files import save_safetensors
 from vitlab.outputs.tensorboard import tensorboard_writer
 

@@ -1,81 +1,71 @@
-"""The spectrum of every block's QK bilinear form W_Q W_K^T (seed 002, Fig. 5): computed and reported.
-
-Shared by the QKSpectra callback (:mod:`vitlab.callbacks.spectra_callback`) and ``probe.py spectra``; no Lightning here.
-"""
+"""QKSpectra: the spectrum of every block's QK bilinear form W_Q W_K^T, each epoch (seed 002, Fig. 5)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+import pytorch_lightning as pl
 
-from vitlab.analysis import qk_spectra
-from vitlab.callbacks._state import block_stage
-from vitlab.outputs.files import write_csv
-from vitlab.outputs.tensorboard import add_scalars, log_figure
-
-SCALARS = ("positive_mass", "symmetry_score", "effective_rank")
+from vitlab.callbacks.base import EpochCallback
+from vitlab.qkv.state import head_counts, qkv_state, unwrap
+from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout
+from vitlab.outputs.tensorboard import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
+from vitlab.runtime import figure_worker
 
 
-def block_spectra(state: dict[str, torch.Tensor], heads: dict[str, int]) -> dict[str, Any]:
-    """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.callbacks._state.qkv_state`)."""
-    return {b: qk_spectra(state[f"{b}.q.weight"], state[f"{b}.k.weight"], h) for b, h in heads.items()}
+class QKSpectra(EpochCallback, pl.Callback):
+    """Logs the QK bilinear form's spectra of every attention block at fit start and every N epochs.
 
+    Per block: positive mass of the symmetric part's spectrum, symmetry score and effective rank (head
+    mean as ``spectra/...``, head-summed matrix as ``spectra_summed/...``); per stage a figure of the
+    eigenvalues of the symmetric and antisymmetric parts and the singular values; a blocks x heads
+    positive-mass heatmap; and ``<run>/qkv/spectra_epoch_{k:03d}.csv`` per block and head.
 
-def spectra_rows(spectra: dict[str, Any], epoch: int | None = None) -> list[dict[str, Any]]:
-    """One table row per (block, head) plus one per block for the head-summed matrix (``head = sum``)."""
-    rows = []
-    for block, s in spectra.items():
-        lead = {"epoch": epoch} if epoch is not None else {}
-        for h in range(len(s.positive_mass)):
-            rows.append({**lead, "block": block, "head": h, **{k: float(getattr(s, k)[h]) for k in SCALARS}, "top_singular_value": float(s.singular_values[h, 0])})
-        rows.append({**lead, "block": block, "head": "sum", **{k: float(getattr(s.summed, k)[0]) for k in SCALARS}, "top_singular_value": float(s.summed.singular_values[0, 0])})
-    return rows
+    Cosine-attention models (Swin V2) get the spectra of the same Wq^T Wk, the bilinear form of the
+    un-normalised q.k: sign structure and effective rank carry over to the cosine logits, singular-value
+    magnitudes do not (see :mod:`vitlab.analysis.spectra`).
 
+    Args:
+        every_n_epochs: Compute after every N-th completed epoch (and once at fit start, epoch 0).
+        write_csv: Write the per-head CSV table.
+        figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
+            ``None``: about 5 per run.
+    """
 
-def stage_curves(spectra: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """block -> the head-summed spectra :class:`vitlab.outputs.figures.StageCurves` plots, as numpy arrays."""
-    return {b: tuple(v[0].double().cpu().numpy() for v in (s.summed.sym_eigvals, s.summed.asym_imag, s.summed.singular_values))
-            for b, s in spectra.items()}
+    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None) -> None:
+        super().__init__(every_n_epochs)
+        if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
+            raise ValueError(f"QKSpectra.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        self.figures_every_n_epochs = figures_every_n_epochs
+        self.write_csv = write_csv
+        self.logged_epochs: list[int] = []
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, pl_module, epoch=0)
 
-def report_spectra(
-    writer, spectra: dict[str, Any], step: int, table_path: Path | None = None, epoch: int | None = None, figures: bool = True,
-    figure_worker=None,
-) -> None:
-    """Write QK-spectra scalars, per-stage figures and the positive-mass heatmap (+ optional CSV).
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        completed = trainer.current_epoch + 1
+        if completed % self.every_n_epochs == 0:
+            self._log(trainer, pl_module, epoch=completed)
 
-    Figures go through ``figure_worker`` (a :class:`vitlab.runtime.FigureWorker`), else are drawn at once."""
-    scalars = {}
-    for block, s in spectra.items():
-        for name in SCALARS:
-            scalars[f"spectra/{name}/{block}"] = float(getattr(s, name).float().mean())
-            scalars[f"spectra_summed/{name}/{block}"] = float(getattr(s.summed, name)[0])
-    add_scalars(writer, scalars, step)
-    if figures:
-        from vitlab.outputs.figures import Heatmap, StageCurves
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
+        if not trainer.is_global_zero or epoch in self.logged_epochs:
+            return
+        model = unwrap(pl_module)
+        spectra = block_spectra(qkv_state(model), head_counts(model))
+        writer = tensorboard_writer(trainer)
+        table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
+        worker = figure_worker(trainer)
+        figures = worker is not None and figures_due(trainer, epoch, self.figures_every_n_epochs)
+        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures, worker)
+        write_layout_once(trainer)
+        self.logged_epochs.append(epoch)
 
-        by_stage: dict[str, dict[str, Any]] = defaultdict(dict)
-        for block, s in spectra.items():
-            by_stage[block_stage(block)][block] = s
-        for stage, group in by_stage.items():
-            log_figure(writer, f"spectra_figure/{stage}", step, StageCurves(stage, stage_curves(group)), figure_worker)
-        max_heads = max(len(s.positive_mass) for s in spectra.values())
-        grid = np.full((len(spectra), max_heads), np.nan)
-        for i, s in enumerate(spectra.values()):
-            grid[i, : len(s.positive_mass)] = s.positive_mass.double().cpu().numpy()
-        figure = Heatmap(grid, title=f"positive mass of sym(W_Q W_K^T), step {step}", xlabel="head (white: the block has fewer heads)",
-                         ylabel="block", xticklabels=[str(h) for h in range(max_heads)], yticklabels=list(spectra), cmap="coolwarm",
-                         vmin=0.0, vmax=1.0, colorbar_label="positive mass [0, 1]", nan_color="white",
-                         figsize=(4.8 + 0.3 * max_heads, 1.8 + 0.3 * len(spectra)))
-        log_figure(writer, "spectra_heads/positive_mass", step, figure, figure_worker)
-    if table_path is not None:
-        write_csv(table_path, spectra_rows(spectra, epoch))
+    def tensorboard_layout(self) -> dict[str, Any]:
+        return spectra_layout()
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"logged_epochs": list(self.logged_epochs)}
 
-def spectra_layout() -> dict[str, Any]:
-    """Custom-scalars layout: one chart per spectral statistic, per head mean and head-summed."""
-    return {"spectra": {name: ["Multiline", [rf"spectra/{name}/.*", rf"spectra_summed/{name}/.*"]] for name in SCALARS}}
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.logged_epochs = [int(e) for e in state_dict.get("logged_epochs", [])]

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from vitlab.analysis import claims as C
-from vitlab.callbacks._state import load_snapshot
-from vitlab.callbacks.drift import drift_tables
-from vitlab.callbacks.spectra import block_spectra
+from vitlab.qkv.state import load_snapshot
+from vitlab.analysis import drift_tables
+from vitlab.analysis import block_spectra
 from vitlab.outputs.files import write_json
 
 HELP = """Report which claims of the Drotos poster, Philip et al. and the Attentionless article hold on a finished run: claims.md + claims.json.

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from vitlab.callbacks._state import MATRICES, block_stage, head_counts, load_snapshot, qkv_state
-from vitlab.callbacks.drift import drift_layout, report_drift
-from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout
+from vitlab.qkv.state import MATRICES, block_stage, head_counts, load_snapshot, qkv_state
+from vitlab.qkv.drift import drift_layout, report_drift
+from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout
 from vitlab.probes.common import add_model_arguments, load_model, newest_checkpoint, run_label
 from vitlab.outputs.files import write_csv
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from vitlab import models
-from vitlab.callbacks._state import head_counts, qkv_state
-from vitlab.callbacks.spectra import block_spectra, report_spectra, spectra_layout, spectra_rows
+from vitlab.qkv.state import head_counts, qkv_state
+from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout, spectra_rows
 from vitlab.probes.activations import require_attention
 from vitlab.probes.common import add_common_arguments
 

@@ -1,4 +1,4 @@
-"""Shared plumbing of the Q/K/V callbacks: flat weight state, run folders, strategy checks."""
+"""The flat Q/K/V state of a model and its snapshot files: what callbacks and probes share (no Lightning)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,6 @@ MATRICES = ("q", "k", "v")
 def unwrap(pl_module: Any) -> torch.nn.Module:
     """The network inside a LightningModule (``.model`` by vitlab convention), else the module itself."""
     return getattr(pl_module, "model", pl_module)
-
-
-def check_strategy(trainer: Any, owner: str) -> None:
-    """Refuse strategies whose sharded weights this callback cannot read yet (one clear line)."""
-    name = type(getattr(trainer, "strategy", None)).__name__
-    if "FSDP" in name or "DeepSpeed" in name:
-        raise RuntimeError(
-            f"{owner} does not support {name} yet (weights are sharded across ranks); "
-            "use strategy ddp / ddp_spawn / auto, or remove the callback"
-        )
 
 
 def qkv_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,13 +49,6 @@ def block_stage(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def snapshot_dir(trainer: Any, subdir: str = "qkv") -> Path:
-    """``<run>/qkv``. Must be called on every rank: ``trainer.log_dir`` is a collective under DDP."""
-    log_dir = trainer.log_dir
-    root = Path(log_dir) if log_dir else Path(trainer.default_root_dir)
-    return root / subdir
-
-
 def snapshot_name(epoch: int) -> str:
     """File name of the snapshot after ``epoch`` completed epochs (000 = the reference)."""
     return f"epoch_{epoch:03d}.safetensors"
@@ -87,39 +70,3 @@ def load_snapshot(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         except (json.JSONDecodeError, TypeError):
             meta[key] = value
     return tensors, meta
-
-
-class EpochCallback:
-    """Mixin of the Q/K/V callbacks: ``every_n_epochs`` validation, a state key per setting, run folder.
-
-    Subclasses set ``needs_tensorboard`` and call ``super().__init__(every_n_epochs)``.
-    """
-
-    needs_tensorboard = True
-
-    def __init__(self, every_n_epochs: int = 1) -> None:
-        if every_n_epochs < 1:
-            raise ValueError(f"{type(self).__name__}.every_n_epochs must be >= 1, got {every_n_epochs}")
-        self.every_n_epochs = every_n_epochs
-        self._dir: Path | None = None
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(every_n_epochs=self.every_n_epochs)
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit":
-            return
-        owner = type(self).__name__
-        check_strategy(trainer, owner)
-        model = unwrap(pl_module)
-        if not any(b.has_attention for b in models.blocks(model)):
-            raise ValueError(
-                f"{owner}: {models.family_name(model)} model has no attention blocks (no query/key/value); "
-                "remove the Q/K/V callbacks from trainer.callbacks for this model"
-            )
-        if self.needs_tensorboard:
-            from vitlab.outputs.tensorboard import require_tensorboard
-
-            require_tensorboard(trainer, owner)
-        self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
