@@ -38,6 +38,7 @@ def _embedding_features(patch_size, embed_dim):
     return with_normalization(lambda x: forward_until(model, x, "embed"), mean, std)
 
 
+@pytest.mark.slow
 def test_injective_patch_embedding_passes_the_criterion_and_recovers_the_image():
     # patch 4 -> 3 * 4^2 = 48 input values per patch, embedded in 64 channels: injective
     features = _embedding_features(patch_size=4, embed_dim=64)

@@ -40,6 +40,7 @@ def trained(tiny_dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["medical_swin.yaml", "medical_swin"])
+@pytest.mark.slow
 def test_config_by_name_finds_the_shipped_config(name, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no configs/ here: the repository's folder is used
     with pytest.raises(SystemExit):
@@ -59,6 +60,7 @@ def test_unknown_config_lists_the_shipped_ones(tmp_path, monkeypatch, capsys):
     assert sorted(cli_support.shipped_configs()) == sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
 
 
+@pytest.mark.slow
 def test_probe_without_model_uses_the_newest_run(trained, tmp_path, monkeypatch, capsys):
     home = tmp_path / "home"
     shutil.copytree(trained / "runs", home / "runs")
@@ -204,6 +206,7 @@ def test_class_missing_from_validation_warns(tiny_dataset, tmp_path):
         MedicalDataModule(lesion_only, image_size=32, num_workers=0, val_fraction=0.25).setup("fit")
 
 
+@pytest.mark.slow
 def test_resume_keeps_config_a_recipe_and_one_best_checkpoint(trained, tmp_path, monkeypatch, tiny_dataset, capsys):
     shutil.copytree(trained / "runs", tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
@@ -221,6 +224,7 @@ def test_resume_keeps_config_a_recipe_and_one_best_checkpoint(trained, tmp_path,
     assert "last weights" in out
 
 
+@pytest.mark.slow
 def test_closing_report_names_last_weights_after_testing(tiny_dataset, tmp_path, capsys):
     fit(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--data.test_fraction", "0.25"]))
     out = capsys.readouterr().out

@@ -30,6 +30,7 @@ def test_config_parses(config, capsys):
 
 
 @pytest.mark.parametrize("config", SMALL, ids=lambda c: c.stem)
+@pytest.mark.slow
 def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
     cli = fit([
         "--config", str(config),
@@ -46,6 +47,7 @@ def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
 
 
 @pytest.mark.parametrize("config", DENSE, ids=lambda c: c.stem)
+@pytest.mark.slow
 def test_dense_config_trains_one_step(config, tmp_path, monkeypatch):
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
     cli = fit([
@@ -87,6 +89,7 @@ def test_full_scale_dense_config_trains_one_step_on_a_tiny_backbone(config, tmp_
 
 
 @pytest.mark.parametrize("config", ["medical_swin", "medical_vit", "medical_swin_maskrcnn", "medical_vit_maskrcnn"])
+@pytest.mark.slow
 def test_pretrained_offline_fails_fast_with_a_way_forward(config, tiny_dataset, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()

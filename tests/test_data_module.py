@@ -148,6 +148,7 @@ def test_one_image_drawn_twice_in_an_epoch_gets_two_augmentations(tmp_path):
     assert not torch.equal(first, second) and torch.equal(first, first_again)
 
 
+@pytest.mark.slow
 def test_workers_start_after_opencv_ran_threaded_in_the_parent(tmp_path):
     """OpenCV's thread pool, once running in the parent, is copied half-alive into forked loader workers; a worker
     that then touches OpenCV (albumentations, the reseeding hook) waited forever. Run in a child process: a

@@ -204,6 +204,7 @@ def dino_config(manifest, save_dir, epochs=2):
     return path
 
 
+@pytest.mark.slow
 def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit
@@ -237,6 +238,7 @@ def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
     assert [e.step for e in acc.Scalars("val/knn_acc")][-1] > [e.step for e in acc.Scalars("val/knn_acc")][0]
 
 
+@pytest.mark.slow
 def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_dataset, tmp_path, capsys):
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit, train_main
@@ -327,6 +329,7 @@ def test_unlabelled_scans_layout_and_batches(tiny_dataset, tmp_path):
         MedicalDataModule(root=str(root), labels=False, classes=["a", "b"])
 
 
+@pytest.mark.slow
 def test_dino_on_unlabelled_scans_trains_without_validation(tiny_dataset, tmp_path, capsys):
     from vitlab.cli import fit, train_main
 
@@ -363,6 +366,7 @@ def test_dino_on_unlabelled_scans_trains_without_validation(tiny_dataset, tmp_pa
     assert "task: dino" in err[-1] and "num_classes" in err[-1]
 
 
+@pytest.mark.slow
 def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_path, capsys):
     """data.unlabelled_root: many unlabelled scans train DINO while the labelled root scores the k-NN."""
     from vitlab.cli import fit, train_main

@@ -54,6 +54,7 @@ def _report(log_dir, worker: FigureWorker | None) -> dict[tuple[str, int], bytes
     return _images(log_dir)
 
 
+@pytest.mark.slow
 def test_kept_figures_write_the_same_images_as_new_ones(tmp_path):
     worker = FigureWorker(process=False)
     fresh = _report(tmp_path / "fresh", None)
@@ -158,6 +159,7 @@ def test_updated_heatmap_equals_a_new_one(tmp_path, annotate):
     assert _images(tmp_path / "fresh") == _images(tmp_path / "reused")
 
 
+@pytest.mark.slow
 def test_a_stage_figure_redraws_its_axes_only_when_their_round_limits_change(tmp_path):
     """Spectra stage curves: updates within the figure's round y limits redraw the curves over the kept axes,
     updates beyond them redraw the axes too; every image is pixel for pixel a new figure's (TensorBoard's own

@@ -232,6 +232,7 @@ def test_unsupported_variants_name_the_supported_families():
                     num_heads=2)
 
 
+@pytest.mark.slow
 def test_registry_lists_hugging_face_last_and_importing_vitlab_models_loads_no_family_library():
     from vitlab.models.registry import families
 

@@ -19,6 +19,7 @@ def tiny_run(tiny_dataset, tmp_path_factory):
     return root / "runs" / "tiny" / "version_0"
 
 
+@pytest.mark.slow
 def test_claims_report_on_a_run(tiny_run, tmp_path, capsys):
     out = tmp_path / "out"
     probe_main(["claims", "--run", str(tiny_run), "--out", str(out), "--permutations", "99"])
@@ -44,6 +45,7 @@ def test_claims_report_on_a_run(tiny_run, tmp_path, capsys):
     assert report["claims"][1]["value"]["dot"]["v"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_claims_with_ablation_run_and_two_runs(tiny_run, tmp_path):
     ablation = tmp_path / "ablation_attention" / "version_0"
     shutil.copytree(tiny_run, ablation)
@@ -61,6 +63,7 @@ def test_claims_with_ablation_run_and_two_runs(tiny_run, tmp_path):
     assert report["claims"][7]["verdict"] == "not testable"
 
 
+@pytest.mark.slow
 def test_claims_bad_input(tiny_run, tmp_path, capsys):
     one = tmp_path / "one" / "version_0"
     (one / "qkv").mkdir(parents=True)

@@ -19,6 +19,7 @@ def snapshot(model, path):
     return save_safetensors(qkv_state(model), path, {"heads": head_counts(model), "epoch": 0})
 
 
+@pytest.mark.slow
 def test_drift_between_snapshots_finds_a_planted_change(tmp_path, capsys):
     model = tiny_model("timm-vit", seed=0)
     a = snapshot(model, tmp_path / "a.safetensors")
@@ -53,6 +54,7 @@ def test_drift_between_snapshots_finds_a_planted_change(tmp_path, capsys):
         assert any(t.startswith(tag) for t in acc.Tags()["images"]), tag
 
 
+@pytest.mark.slow
 def test_drift_reads_checkpoints_and_weight_files(tmp_path, tiny_dataset):
     from vitlab.models import build_model
 
@@ -74,6 +76,7 @@ def test_drift_reads_checkpoints_and_weight_files(tmp_path, tiny_dataset):
     assert got == pytest.approx((u - v).norm(dim=1).tolist(), rel=1e-7)  # CSV keeps 8 significant digits
 
 
+@pytest.mark.slow
 def test_drift_bad_input_is_one_line(tmp_path, capsys):
     vit = snapshot(tiny_model("timm-vit", seed=0), tmp_path / "vit.safetensors")
     swin = snapshot(tiny_model("timm-swin", seed=0), tmp_path / "swin.safetensors")

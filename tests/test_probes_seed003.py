@@ -58,6 +58,7 @@ def _rows(path):
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.slow
 def test_ablate_survey_end_to_end(tmp_path, config):
     out = tmp_path / "ablate"
     main(["--ablate", "attention", "--ablate", "mlp+layernorm", "--config", str(config), "--num-images", "2",
@@ -170,6 +171,7 @@ def test_filter_math_against_independent_computations():
     assert torch.isnan(mosaic[2]).all() and torch.isnan(mosaic[:, 3]).all()
 
 
+@pytest.mark.slow
 def test_transplant_end_to_end(tmp_path, weights, tiny_dataset):
     out = tmp_path / "transplant"
     main(["transplant", *VIT, "--weights", str(weights), "--images", str(tiny_dataset.parent), "--num-images", "2",

@@ -86,6 +86,7 @@ def test_help_explains_with_example(name):
 # ---------------------------------------------------------------------------------------------- mi
 
 
+@pytest.mark.slow
 def test_mi_matches_direct_copula(tmp_path, weights, image_dir):
     """All channels as centres, no cross channels: mi_same = mean over channels and tokens of the copula MI."""
     out = tmp_path / "mi"
@@ -167,6 +168,7 @@ def test_mi_bad_inputs(tmp_path, weights, image_dir):
 # ---------------------------------------------------------------------------------------------- stats
 
 
+@pytest.mark.slow
 def test_stats_matches_scipy_on_mixer(tmp_path, weights, image_dir):
     """Kurtosis merged over uneven batches = scipy on all images; MLP-Mixer's token mixing is a valid site."""
     out = tmp_path / "stats"
@@ -193,6 +195,7 @@ def test_stats_matches_scipy_on_mixer(tmp_path, weights, image_dir):
 # ---------------------------------------------------------------------------------------------- attention
 
 
+@pytest.mark.slow
 def test_attention_vit_matches_single_pass(tmp_path, weights, image_dir):
     """Angle statistics merged over uneven batches = attention_vs_angle on all images at once."""
     out = tmp_path / "att"
@@ -220,6 +223,7 @@ def test_attention_vit_matches_single_pass(tmp_path, weights, image_dir):
     assert [e.step for e in ev.Scalars("attention_angle/mass_above_90")] == [0, 1]
 
 
+@pytest.mark.slow
 def test_attention_swin_windows_match_dense(tmp_path, weights, image_dir):
     """Swin: masses from the raw windows = from the dense token x token form (pairs across windows weigh 0)."""
     out = tmp_path / "att"
@@ -259,6 +263,7 @@ def test_attention_refuses_mixer(tmp_path, weights, image_dir):
 # ---------------------------------------------------------------------------------------------- spectra
 
 
+@pytest.mark.slow
 def test_spectra_csv_and_figures(tmp_path, weights):
     out = tmp_path / "spec"
     main(["spectra", *model_args("timm-swin", weights), "--out", str(out)])
@@ -289,6 +294,7 @@ def labelled_config(tmp_path, tiny_dataset) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_features_same_weights_give_cka_one(tmp_path, weights, labelled_config):
     """Second model = the same weights: identical accuracies, CKA 1; accuracies = k-NN on forward_until features."""
     out = tmp_path / "feat"

@@ -67,6 +67,7 @@ def all_at_once_mi(family, weights, image_dir, args: argparse.Namespace):  # noq
 
 
 @pytest.mark.parametrize("family", ["timm-vit", "timm-swin"])
+@pytest.mark.slow
 def test_streamed_mi_equals_all_in_memory(tmp_path, weights, image_dir, family):  # noqa: F811
     width = models.blocks(load(family, weights))[0].dim
     centre, cross = width // 2, 4  # a random subset of the channels: the draw must be the old one too
@@ -116,6 +117,7 @@ def test_forward_precision_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["timm-vit", "timm-swin"])
+@pytest.mark.slow
 def test_bf16_forward_keeps_the_mi_curves(family):
     """The bf16-autocast recording moves the MI curves by far less than their sampling error (documented in --help).
 

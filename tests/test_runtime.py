@@ -59,6 +59,7 @@ def test_apply_sets_torch_threads_and_one_opencv_thread():
 
 
 @pytest.mark.parametrize("env, expected", [({}, "10000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, None), ({"GOMP_SPINCOUNT": "500"}, "500")])
+@pytest.mark.slow
 def test_the_entry_points_bound_openmp_spinning_and_importing_vitlab_does_not(env, expected):
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     code = "import os, vitlab, vitlab.data; a = os.environ.get('GOMP_SPINCOUNT'); import vitlab.cli; print(a, os.environ.get('GOMP_SPINCOUNT'))"

@@ -59,6 +59,7 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_fit_writes_dashboards_snapshots_and_resumes(tiny_dataset, tmp_path, capsys):
     cli = fit(tiny_args(tiny_dataset, tmp_path / "runs", epochs=2))
     run = tmp_path / "runs" / "tiny" / "version_0"
@@ -146,6 +147,7 @@ def test_bad_input_is_one_line(tiny_dataset, tmp_path, capsys):
     assert "nope.ckpt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_test_split_is_evaluated_after_fit(tiny_dataset, tmp_path):
     cli = fit(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--data.test_fraction", "0.25", "--data.val_fraction", "0.25"]))
     assert cli.datamodule.has_test
