@@ -97,7 +97,7 @@ def test_frozen_heap_freezes_survivors_for_the_fit_only():
 
 def _fit_outputs(args: list[str]):
     """The last Q/K/V snapshot and every scalar of a fit: what must not change."""
-    from tests.test_train_e2e import events
+    from tests.training.test_classification import events
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit
 
@@ -118,7 +118,7 @@ def test_same_seed_same_numbers_beside_a_busy_process_with_any_workers_and_from_
     """Two fits with the same config and seed, one while another process keeps a core busy, give bit-identical
     snapshots and metrics; so do 0 and 2 loader workers (same threads); the run's config.yaml holds the resolved
     runtime, and passing it back repeats the run bit for bit."""
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
 
     base = ["--runtime.threads", "2", "--trainer.max_epochs", "2"]
     quiet_run, quiet, quiet_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "quiet", extra=base))

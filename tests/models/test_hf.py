@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.test_models_anatomy import _attention_by_hand, _window_attention_by_hand  # noqa: E402
+from tests.models.test_anatomy import _attention_by_hand, _window_attention_by_hand  # noqa: E402
 from vitlab.models import (  # noqa: E402
     ablate,
     ablated,

@@ -230,7 +230,7 @@ def test_a_training_run_draws_in_one_worker_paused_during_its_steps_and_ends_it(
     ``runtime.figures inline`` draws in the training process and ``off`` draws nothing."""
     import vitlab.callbacks.runtime as runtime_callback
     import vitlab.runtime as runtime
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
     from vitlab.cli import fit
 
     started = []
@@ -287,7 +287,7 @@ def test_a_training_script_without_a_main_guard_runs_once(tiny_dataset, tmp_path
     import subprocess
     import sys
 
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1)
     marker = tmp_path / "ran"
@@ -298,7 +298,7 @@ def test_a_training_script_without_a_main_guard_runs_once(tiny_dataset, tmp_path
         "from vitlab.cli import fit\n"
         f"fit({args!r})\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -356,7 +356,7 @@ def test_a_paused_worker_ends_with_a_killed_training_process(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = ("import sys\nfrom torch.utils.tensorboard import SummaryWriter\nfrom vitlab.runtime import FigureWorker\n"
             "from vitlab.outputs.figures import Heatmap\nw = FigureWorker()\n"
             f"w.submit(SummaryWriter({str(tmp_path)!r}), 't', 0, Heatmap([[1.0]]))\nw.flush()\nw.pause()\n"

@@ -14,7 +14,7 @@ import pytest
 
 from vitlab.probes import SUBCOMMANDS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAINING_ONLY = {"pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics"}
 
 
@@ -30,7 +30,7 @@ def imported_after(code: str, cwd: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_dataset, tmp_path_factory) -> Path:
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
     from vitlab.cli import fit
 
     cli = fit(tiny_args(tiny_dataset, tmp_path_factory.mktemp("probe-imports"), epochs=1))

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from vitlab.cli import fit, probe_main
-from tests.test_train_e2e import tiny_args
+from tests.training.test_classification import tiny_args
 
 
 @pytest.fixture(scope="module")

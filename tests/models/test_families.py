@@ -18,7 +18,7 @@ from vitlab.models.testing import TINY_IMAGE_SIZE, tiny_model
 
 SWIN_V2 = ["timm-swinv2", "timm-swinv2-cr", "torchvision-swinv2"]
 TOKEN_VITS = ["timm-eva", "timm-beit", "timm-vit-relpos"]
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

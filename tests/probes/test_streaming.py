@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.test_probes_stats import image_dir, load, model_args, probe_images, read_csv, weights  # noqa: F401 - fixtures
+from tests.probes.test_stats import image_dir, load, model_args, probe_images, read_csv, weights  # noqa: F401 - fixtures
 from vitlab import models
 from vitlab.analysis.mi import mi_vs_distance
 from vitlab.models.testing import tiny_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from tests.test_train_e2e import TINY_SWIN, events
+from tests.training.test_classification import TINY_SWIN, events
 from vitlab.qkv.state import load_snapshot
 from vitlab.cli import fit
 

@@ -13,9 +13,9 @@ from pytorch_lightning.callbacks import Callback
 
 pytest.importorskip("lightly")
 
-from tests.test_callbacks_ddp import DDP_SPAWN  # noqa: E402
-from tests.test_dino import TINY  # noqa: E402
-from tests.test_train_e2e import events  # noqa: E402
+from tests.callbacks.test_ddp import DDP_SPAWN  # noqa: E402
+from tests.training.test_dino import TINY  # noqa: E402
+from tests.training.test_classification import events  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GATHER_ROWS = 7  # an odd count: the DistributedSampler pads rank 1 with a repeat of row 0
@@ -61,7 +61,7 @@ def ddp_config(manifest: Path, save_dir: Path, probe: Path, epochs: int) -> list
             "num_sanity_val_steps": 0, "enable_progress_bar": False, "enable_model_summary": False,
             "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger", "init_args": {"save_dir": str(save_dir), "name": "dino", "default_hp_metric": False}},
             "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
-                          {"class_path": "vitlab.callbacks.QKSpectra"}, {"class_path": "tests.test_dino_ddp.RankProbe", "init_args": {"out": str(probe)}}],
+                          {"class_path": "vitlab.callbacks.QKSpectra"}, {"class_path": "tests.training.test_dino_ddp.RankProbe", "init_args": {"out": str(probe)}}],
         },
         "model": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
         # 8 patients x 3 slices, one patient in validation: 21 train / 3 val images, both odd (sampler padding)

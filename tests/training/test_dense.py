@@ -135,7 +135,7 @@ def test_segmentation_metric_path_perfect_and_empty():
 def test_segmentation_refuses_rows_with_boxes_but_no_mask(tmp_path):
     import pytorch_lightning as pl
 
-    from tests.test_data_dense import planted, write_manifest
+    from tests.data.test_dense import planted, write_manifest
     from vitlab.data import DenseDataModule
 
     rows = []

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_models_hf import HF_TINY, VARIANTS, _images, tiny_hf  # noqa: E402
+from tests.models.test_hf import HF_TINY, VARIANTS, _images, tiny_hf  # noqa: E402
 from vitlab.models import (  # noqa: E402
     PretrainedWeightsUnavailable,
     UnsupportedModelError,
@@ -152,7 +152,7 @@ def test_fit_hf_model_with_qkv_callbacks(tiny_dataset, tmp_path):
     import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
     from vitlab.qkv.state import load_snapshot, qkv_state
     from vitlab.cli import fit
 

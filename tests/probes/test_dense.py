@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train_dense import SWIN, dense_args
+from tests.training.test_dense import SWIN, dense_args
 from vitlab.probe_cli import probe_main
 from vitlab.probes import main as probe
 from vitlab.probes.common import checkpoint_task, load_model
@@ -135,7 +135,7 @@ def test_probe_images_of_a_coco_detection_run_are_the_jsons_images(tmp_path, mon
     """A detection run trained on a COCO JSON: the probes draw its images, not the embedded set's."""
     import json
 
-    from tests.test_data_dense import planted
+    from tests.data.test_dense import planted
     from vitlab import models
     from vitlab.probes.common import LoadedModel, image_stream
 

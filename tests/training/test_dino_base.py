@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("lightly")
 
-from tests.test_dino import TINY  # noqa: E402
+from tests.training.test_dino import TINY  # noqa: E402
 from vitlab.training import ClassificationModule, DINOModule, TaskModule, warmup_cosine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

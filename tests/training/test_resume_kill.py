@@ -15,12 +15,12 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from tests.test_train_e2e import events, tiny_args
+from tests.training.test_classification import events, tiny_args
 from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit
 from vitlab.runtime import figure_worker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class SigkillAfterEpoch(pl.Callback):
@@ -56,7 +56,7 @@ def test_sigkill_after_drift_write_then_resume_has_one_point_per_step(tiny_datas
         "--trainer.callbacks+=pytorch_lightning.callbacks.LearningRateMonitor",
         "--trainer.callbacks.logging_interval=epoch",
     ]
-    kill = ["--trainer.callbacks+=tests.test_resume_kill.SigkillAfterEpoch", "--trainer.callbacks.epoch=1"]
+    kill = ["--trainer.callbacks+=tests.training.test_resume_kill.SigkillAfterEpoch", "--trainer.callbacks.epoch=1"]
     args = tiny_args(tiny_dataset, runs, epochs=2, extra=callbacks + kill)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     code = "import sys, torch; torch.set_num_threads(1); from vitlab.cli import fit; fit(sys.argv[1:])"

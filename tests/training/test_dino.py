@@ -242,7 +242,7 @@ def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
 def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_dataset, tmp_path, capsys):
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit, train_main
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
 
     fit(["--config", str(dino_config(tiny_dataset, tmp_path / "runs", epochs=1))])
     dino_run = tmp_path / "runs" / "dino" / "version_0"
@@ -357,7 +357,7 @@ def test_dino_on_unlabelled_scans_trains_without_validation(tiny_dataset, tmp_pa
         probe_main(["features", "--checkpoint", ckpt, "--out", str(tmp_path / "feat")])
     assert "carry no labels" in capsys.readouterr().err
     # classification needs labels: one line that says what unlabelled images are for
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "cls", epochs=1)
     with pytest.raises(SystemExit):
@@ -399,7 +399,7 @@ def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_p
     assert len(acc.Scalars("val/knn_acc")) == 1
     assert (tmp_path / "runs" / "dino" / "version_0" / "checkpoints" / "best-epoch000.ckpt").is_file()
     # other tasks refuse the unlabelled images in one line, before writing a run folder
-    from tests.test_train_e2e import tiny_args
+    from tests.training.test_classification import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "cls", epochs=1)
     with pytest.raises(SystemExit):
