@@ -62,6 +62,8 @@ def test_dense_fit_logs_metrics_and_drift_and_resumes(task, metrics, tmp_path, m
     assert all(0.0 <= e.value <= 1.0 for m in metrics if not m.endswith(("loss", "_epoch")) for e in acc.Scalars(m))
     if task == "segmentation":
         assert any(t.startswith("val/segmentation") for t in acc.Tags()["images"])
+        # on its scalars' axis (the step of val/*), drawn as every other figure is
+        assert [e.step for e in acc.Images("val/segmentation")] == [e.step for e in acc.Scalars("val/dice")]
     snap, _ = load_snapshot(run / "qkv" / "epoch_001.safetensors")  # the callbacks snapshot the backbone
     live = qkv_state(cli.model.model)
     assert snap.keys() == live.keys() and all(torch.equal(snap[k], live[k]) for k in live)
