@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import albumentations as A
 import numpy as np
@@ -13,6 +14,8 @@ from torch.utils.data import Dataset
 from vitlab.data.cache import ArrayCache, MemoryCache
 from vitlab.data.io import ImageReader, ImageReadError, ReadOptions
 from vitlab.data.layouts import UNLABELLED, Sample, SkippedFileWarning
+
+T = TypeVar("T")
 
 # ITU-R BT.601 luma weights, to feed colour images to a grayscale model.
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
@@ -98,19 +101,25 @@ class MedicalImageDataset(Dataset):
             return self.reader(path)
         return self.cache.load(path, lambda: self.reader(path))
 
-    def _first_readable(self, index: int) -> tuple[np.ndarray, int]:
+    def first_good(self, index: int, load: Callable[[int], T], what: str = "images") -> tuple[T, int]:
+        """``load(i)`` and ``i`` for the first sample from ``index`` on (wrapping around) that loads: under
+        ``on_bad_file="skip"`` a sample that fails is warned about once per process and the next one is tried,
+        so a bad file found only at decode time does not stop training; under ``"error"`` it raises."""
         for offset in range(len(self)):
             candidate = (index + offset) % len(self)
             try:
-                return self.load_array(candidate), candidate
+                return load(candidate), candidate
             except (ImageReadError, OSError) as error:
                 if self.on_bad_file == "error":
                     raise
                 path = str(self.samples[candidate].path)
                 if path not in self.bad_paths:
                     self.bad_paths.add(path)
-                    warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=2)
-        raise RuntimeError(f"none of the {len(self)} images could be read (see the warnings above)")
+                    warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=3)
+        raise RuntimeError(f"none of the {len(self)} {what} could be read (see the warnings above)")
+
+    def _first_readable(self, index: int) -> tuple[np.ndarray, int]:
+        return self.first_good(index, self.load_array)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         key = (self.deterministic, str(self.samples[index].path))  # (one cache may serve several splits)
