@@ -1,4 +1,5 @@
-"""The base every vitlab task shares: interventions on the backbone, AdamW groups, warm-up + cosine, best metrics.
+"""The base every vitlab task shares: the backbone and optimiser arguments, interventions on the backbone, AdamW
+groups, warm-up + cosine, best metrics.
 
 A task module sets ``self.model`` (a classifier, or a detector / segmenter whose backbone
 :mod:`vitlab.models` finds); the Q/K/V callbacks and probes only talk to ``module.model``.
@@ -14,14 +15,57 @@ import torch
 from torch.nn.utils.weight_norm import WeightNorm
 
 from vitlab import models
+from vitlab.training.arguments import BackboneArgs, OptimizerArgs
 
 
 class TaskModule(pl.LightningModule):
-    """Shared plumbing. Subclasses call ``save_hyperparameters`` (with ``lr``, ``weight_decay``,
-    ``layer_decay``, ``warmup_epochs``, ``min_lr_ratio``), build ``self.model``, then :meth:`_intervene`."""
+    """Shared plumbing of the task modules.
 
-    def __init__(self) -> None:
+    A task declares only its own arguments and passes the rest on with ``**kwargs`` (jsonargparse follows them
+    here, so ``model.lr``, ``model.weights`` ... stay flat config keys with these docs in ``--help``). This
+    ``__init__`` checks them once (:class:`~vitlab.training.arguments.OptimizerArgs`), keeps them as
+    ``self.backbone_args`` / ``self.optimizer_args`` and saves every task argument, the subclass's included, as
+    flat hyperparameters. The task then builds ``self.model`` from ``self.backbone_args`` and calls
+    :meth:`_intervene`.
+
+    Args:
+        model_name: timm or torchvision model name (prefix ``timm:`` / ``torchvision:`` to disambiguate).
+        in_chans: Input channels (linked from the data module by the CLI).
+        pretrained: Load the library's pretrained weights (needs network or a warm cache).
+        weights: Local weights file (state_dict, safetensors or vitlab checkpoint); head and first conv
+            are adapted when class count / channels differ; a detector / segmenter loads its backbone from it.
+        model_kwargs: Extra backbone constructor arguments (e.g. ``drop_path_rate``, tiny ``embed_dim``).
+        ablate: Encoder ablation applied after the weights are loaded, e.g.
+            ``{"remove": ["residual"], "blocks": [0, 1]}`` (see :func:`vitlab.models.ablate`).
+        freeze: Backbone parts to freeze, e.g. ``["patch_embed"]`` (see :func:`vitlab.models.freeze`).
+        lr: Peak learning rate.
+        weight_decay: AdamW weight decay for the decayed group.
+        layer_decay: Layer-wise LR decay factor in (0, 1] (e.g. 0.75); ``None`` disables it. Parts outside the
+            backbone's blocks (heads, pyramid, decoder) train with the last layer's LR.
+        warmup_epochs: Linear warm-up length in epochs (fractions allowed).
+        min_lr_ratio: Final LR of the cosine schedule as a fraction of ``lr``.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "swin_tiny_patch4_window7_224",
+        in_chans: int = 1,
+        pretrained: bool = False,
+        weights: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        ablate: dict[str, Any] | None = None,
+        freeze: list[str] | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.05,
+        layer_decay: float | None = None,
+        warmup_epochs: float = 1.0,
+        min_lr_ratio: float = 0.01,
+    ) -> None:
         super().__init__()
+        self.optimizer_args = OptimizerArgs(lr, weight_decay, layer_decay, warmup_epochs, min_lr_ratio)
+        self.backbone_args = BackboneArgs(model_name, in_chans, pretrained, weights, dict(model_kwargs or {}), ablate,
+                                          freeze)
+        self.save_hyperparameters(logger=False)  # (Lightning collects the subclass's arguments from its frame too)
         self.best_val: dict[str, float] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -44,13 +88,15 @@ class TaskModule(pl.LightningModule):
             print(f"vitlab: {report.source}: {len(keys)} backbone tensors loaded ({keys[0]} ... {keys[-1]})"
                   + ("; its classifier head was left out" if report.head_reset else ""))
 
-    def _intervene(self, ablate: dict[str, Any] | None, freeze: list[str] | None) -> None:
-        """Encoder ablation and freezing of backbone parts (after the weights are loaded)."""
+    def _intervene(self) -> None:
+        """Encoder ablation and freezing of backbone parts (``model.ablate`` / ``model.freeze``, after the weights
+        are loaded)."""
         self._report_weights()
-        if ablate:
-            models.ablate(self.model, **ablate)
-        if freeze:
-            models.freeze(self.model, freeze)
+        backbone = self.backbone_args
+        if backbone.ablate:
+            models.ablate(self.model, **backbone.ablate)
+        if backbone.freeze:
+            models.freeze(self.model, backbone.freeze)
 
     def _track_best(self, values: dict[str, Any]) -> None:
         """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""
@@ -84,19 +130,19 @@ class TaskModule(pl.LightningModule):
         """AdamW groups of ``self.model`` (:func:`vitlab.models.parameter_groups`: no weight decay on norms, biases,
         position tables; ``lr_scale`` from ``layer_decay``). A task with trainable modules outside ``self.model``
         (DINO's projection head) appends its groups here."""
-        hp = self.hparams
-        return models.parameter_groups(self.model, weight_decay=hp.weight_decay, layer_decay=hp.get("layer_decay"))
+        opt = self.optimizer_args
+        return models.parameter_groups(self.model, weight_decay=opt.weight_decay, layer_decay=opt.layer_decay)
 
     def configure_optimizers(self):
-        hp = self.hparams
+        opt = self.optimizer_args
         groups = [group for group in self.optimizer_groups() if group["params"]]
         for group in groups:
-            group["lr"] = hp.lr * group.pop("lr_scale", 1.0)
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr)
+            group["lr"] = opt.lr * group.pop("lr_scale", 1.0)
+        optimizer = torch.optim.AdamW(groups, lr=opt.lr)
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
         steps_per_epoch = max(total_steps // max(self.trainer.max_epochs or 1, 1), 1)
-        warmup_steps = min(int(round(hp.warmup_epochs * steps_per_epoch)), total_steps - 1)
-        schedule = warmup_cosine(warmup_steps, total_steps, hp.min_lr_ratio)
+        warmup_steps = min(int(round(opt.warmup_epochs * steps_per_epoch)), total_steps - 1)
+        schedule = warmup_cosine(warmup_steps, total_steps, opt.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -29,61 +29,31 @@ class ClassificationModule(TaskModule):
     relative-position tables; optional layer-wise LR decay), linear warm-up then cosine decay per step.
 
     Args:
-        model_name: timm or torchvision model name (prefix ``timm:`` / ``torchvision:`` to disambiguate).
         num_classes: Number of classes (linked from the data module by the CLI).
-        in_chans: Input channels (linked from the data module by the CLI).
-        pretrained: Load the library's pretrained weights (needs network or a warm cache).
-        weights: Local weights file (state_dict, safetensors or vitlab checkpoint); head and first conv
-            are adapted when class count / channels differ.
-        model_kwargs: Extra constructor arguments (e.g. ``drop_path_rate``, tiny ``embed_dim``).
-        ablate: Encoder ablation applied after the weights are loaded, e.g.
-            ``{"remove": ["residual"], "blocks": [0, 1]}`` (see :func:`vitlab.models.ablate`).
-        freeze: Parts to freeze, e.g. ``["patch_embed"]`` (see :func:`vitlab.models.freeze`).
-        lr: Peak learning rate.
-        weight_decay: AdamW weight decay for the decayed group.
-        layer_decay: Layer-wise LR decay factor (e.g. 0.75); ``None`` disables it.
-        warmup_epochs: Linear warm-up length in epochs (fractions allowed).
-        min_lr_ratio: Final LR of the cosine schedule as a fraction of ``lr``.
         label_smoothing: Cross-entropy label smoothing.
         class_names: Class names for the confusion matrix (linked from the data module).
+        **kwargs: The backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule`
+            (``model_name``, ``weights``, ``lr``, ``layer_decay`` ...).
     """
 
     def __init__(
         self,
-        model_name: str = "swin_tiny_patch4_window7_224",
         num_classes: int = 2,
-        in_chans: int = 1,
-        pretrained: bool = False,
-        weights: str | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        ablate: dict[str, Any] | None = None,
-        freeze: list[str] | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.05,
-        layer_decay: float | None = None,
-        warmup_epochs: float = 1.0,
-        min_lr_ratio: float = 0.01,
         label_smoothing: float = 0.0,
         class_names: list[str] | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
         if num_classes < 2:
             hint = " (data.labels false gives unlabelled images: they pretrain with task: dino)" if num_classes == 0 else ""
             raise ValueError(f"model.num_classes must be >= 2, got {num_classes}{hint}")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
-        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
-            raise ValueError(f"model.layer_decay must be in (0, 1] or null, got {layer_decay}")
-        self.save_hyperparameters(logger=False)
-        self.model = models.build_model(
-            model_name,
-            num_classes=num_classes,
-            in_chans=in_chans,
-            pretrained=pretrained,
-            weights=weights,
-            **(model_kwargs or {}),
-        )
-        self._intervene(ablate, freeze)
+        backbone = self.backbone_args
+        self.model = models.build_model(backbone.model_name, num_classes=num_classes, in_chans=backbone.in_chans,
+                                        pretrained=backbone.pretrained, weights=backbone.weights,
+                                        **backbone.model_kwargs)
+        self._intervene()
         self.class_names = list(class_names) if class_names else [str(i) for i in range(num_classes)]
         metrics = MetricCollection(
             {

@@ -24,48 +24,33 @@ class DetectionModule(TaskModule):
     ``val/map_50``, ``val/map_75``, ``val/mar_100``, ``val/mask_map``, ``val/mask_map_50``, ``val/mask_map_75``.
 
     Args:
-        model_name: timm Swin / ViT name.
         num_classes: Foreground classes (linked from ``data.num_mask_classes``).
-        in_chans: Image channels (linked from the data).
         image_size: Input side (linked from the data).
-        pretrained: timm ImageNet weights for the backbone.
-        weights: A classifier's or detector's checkpoint whose backbone is loaded.
         heads: ``"light"`` (2-core CPU sizes) or ``"full"`` (torchvision's defaults).
         head_kwargs: Overrides of :data:`vitlab.models.DETECTION_HEADS` keys (``fpn_channels``, ``anchor_base`` ...).
-        model_kwargs: Backbone constructor arguments.
-        ablate, freeze, lr, weight_decay, layer_decay, warmup_epochs, min_lr_ratio: as the classifier's
-            (``ablate`` / ``freeze`` name backbone parts; pyramid and heads train with the last layer's LR).
         class_names: Foreground class names (linked from ``data.mask_classes``).
+        **kwargs: The backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule` (a timm Swin /
+            ViT ``model_name``; ``weights`` a classifier's or detector's checkpoint, whose backbone is loaded).
     """
 
     def __init__(
         self,
-        model_name: str = "swin_tiny_patch4_window7_224",
         num_classes: int = 1,
-        in_chans: int = 1,
         image_size: int = 224,
-        pretrained: bool = False,
-        weights: str | None = None,
         heads: str = "light",
         head_kwargs: dict[str, Any] | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        ablate: dict[str, Any] | None = None,
-        freeze: list[str] | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.05,
-        layer_decay: float | None = None,
-        warmup_epochs: float = 1.0,
-        min_lr_ratio: float = 0.01,
         class_names: list[str] | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
-        self.save_hyperparameters(logger=False)
-        self.model = models.build_detector(model_name, num_classes, in_chans=in_chans, image_size=image_size,
-                                           pretrained=pretrained, weights=weights, heads=heads,
-                                           model_kwargs=model_kwargs, **(head_kwargs or {}))
-        self._intervene(ablate, freeze)
+        backbone = self.backbone_args
+        self.model = models.build_detector(backbone.model_name, num_classes, in_chans=backbone.in_chans,
+                                           image_size=image_size, pretrained=backbone.pretrained,
+                                           weights=backbone.weights, heads=heads, model_kwargs=backbone.model_kwargs,
+                                           **(head_kwargs or {}))
+        self._intervene()
         self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
         self.val_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")
         self.test_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -46,29 +45,40 @@ class DINOModule(TaskModule):
     splits, and every rank scores the gathered whole (same value on all ranks; the centre is all-reduced by lightly).
 
     Args:
-        model_name / model_kwargs / pretrained / weights / in_chans: the backbone, as in ClassificationModule.
-        ablate / freeze / layer_decay: as in ClassificationModule (the student backbone; the teacher copies it).
-        num_classes / class_names: linked from the data (used by the k-NN evaluation only).
-        out_dim / hidden_dim / bottleneck_dim: projection head (K prototypes); head_batch_norm: BatchNorm in its MLP
-            (DINO uses it for ResNets; it keeps tiny runs on small data from collapsing to uniform).
-        local_crops / global_size / local_size / global_scale / local_scale / contrast / noise: multi-crop.
-        student_temp / teacher_temp / warmup_teacher_temp / warmup_teacher_temp_epochs / center_momentum: loss.
-        momentum_start / momentum_end: teacher EMA schedule.  freeze_last_layer: epochs with a frozen last head layer.
-        lr / weight_decay / warmup_epochs / min_lr_ratio: AdamW with warm-up + cosine, as ClassificationModule.
-        knn_every_n_epochs / knn_k / knn_temperature: k-NN evaluation (0 = off).
+        num_classes: Classes of the data (linked; used by the k-NN evaluation only).
+        class_names: Class names of the data (linked; used by the k-NN evaluation only).
+        out_dim: Prototypes K of the projection head (its output width).
+        hidden_dim: Width of the projection head's hidden layers.
+        bottleneck_dim: Width of the projection head's bottleneck before the prototypes.
+        head_batch_norm: BatchNorm in the head's MLP (DINO uses it for ResNets; it keeps tiny runs on small data
+            from collapsing to uniform).
+        local_crops: Local views per image, beside the two global ones.
+        global_size: Side of the global views; None: the backbone's input size.
+        local_size: Side of the local views; None: half the global side (at least 8).
+        global_scale: Area fraction range of the global crops.
+        local_scale: Area fraction range of the local crops.
+        contrast: Contrast factor drawn from [1 - contrast, 1 + contrast], brightness shift from [-contrast, contrast].
+        noise: Largest standard deviation of the Gaussian noise on each view (normalised units; drawn from [0, noise]).
+        student_temp: Temperature of the student's softmax.
+        teacher_temp: Teacher temperature after its warm-up.
+        warmup_teacher_temp: Teacher temperature at epoch 0.
+        warmup_teacher_temp_epochs: Epochs of the linear teacher-temperature warm-up (>= 1).
+        center_momentum: EMA momentum of the centre subtracted from the teacher's outputs.
+        momentum_start: Teacher EMA momentum λ at the first step.
+        momentum_end: Teacher EMA momentum λ at the last step (cosine schedule between them).
+        freeze_last_layer: Epochs during which the head's last layer does not train.
+        lr: Peak learning rate (DINO's default).
+        weight_decay: AdamW weight decay of the decayed groups (DINO's default).
+        knn_every_n_epochs: k-NN evaluation every this many epochs (0: off).
+        knn_k: Neighbours of the weighted k-NN.
+        knn_temperature: Temperature of the k-NN's similarity weights.
+        **kwargs: The other backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule`
+            (``ablate`` / ``freeze`` / ``layer_decay`` act on the student backbone; the teacher copies it).
     """
 
     def __init__(
         self,
-        model_name: str = "swin_tiny_patch4_window7_224",
         num_classes: int = 2,
-        in_chans: int = 1,
-        pretrained: bool = False,
-        weights: str | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        ablate: dict[str, Any] | None = None,
-        freeze: list[str] | None = None,
-        layer_decay: float | None = None,
         class_names: list[str] | None = None,
         out_dim: int = 1024,
         hidden_dim: int = 256,
@@ -91,24 +101,22 @@ class DINOModule(TaskModule):
         freeze_last_layer: int = 1,
         lr: float = 5e-4,
         weight_decay: float = 0.04,
-        warmup_epochs: float = 1.0,
-        min_lr_ratio: float = 0.01,
         knn_every_n_epochs: int = 1,
         knn_k: int = 20,
         knn_temperature: float = 0.07,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(lr=lr, weight_decay=weight_decay, **kwargs)
         if not 0.0 <= momentum_start <= momentum_end <= 1.0:
             raise ValueError(f"model.momentum_start / momentum_end must satisfy 0 <= start <= end <= 1, got {momentum_start}, {momentum_end}")
         if warmup_teacher_temp_epochs < 1:
             raise ValueError(f"model.warmup_teacher_temp_epochs must be >= 1, got {warmup_teacher_temp_epochs}")
-        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
-            raise ValueError(f"model.layer_decay must be in (0, 1] or null, got {layer_decay}")
-        self.save_hyperparameters(logger=False)
-        kwargs = dict(model_kwargs or {})
-        self.model = models.build_model(model_name, num_classes=max(num_classes, 2), in_chans=in_chans, pretrained=pretrained, weights=weights, **kwargs)
+        backbone = self.backbone_args
+        self.model = models.build_model(backbone.model_name, num_classes=max(num_classes, 2),  # (its classifier is dropped)
+                                        in_chans=backbone.in_chans, pretrained=backbone.pretrained,
+                                        weights=backbone.weights, **backbone.model_kwargs)
         models.drop_classifier(self.model)
-        self._intervene(ablate, freeze)
+        self._intervene()
         dim = models.feature_dim(self.model)
         self.head = DINOProjectionHead(dim, hidden_dim, bottleneck_dim, out_dim, batch_norm=head_batch_norm, freeze_last_layer=freeze_last_layer)
         self.teacher_model = copy.deepcopy(self.model)

@@ -33,41 +33,34 @@ class SegmentationModule(TaskModule):
 
     Args:
         num_classes: Foreground classes (linked from ``data.num_mask_classes``).
+        image_size: Input side (linked from the data).
         decoder_channels: Width of the pyramid and the fusion head.
         dice_weight: Weight of the soft Dice loss added to cross-entropy.
         grid_images: Images in the validation figure (0 disables it).
-        Other arguments: as :class:`~vitlab.training.DetectionModule`.
+        class_names: Foreground class names (linked from ``data.mask_classes``).
+        **kwargs: The backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule`, as for
+            :class:`~vitlab.training.DetectionModule`.
     """
 
     def __init__(
         self,
-        model_name: str = "swin_tiny_patch4_window7_224",
         num_classes: int = 1,
-        in_chans: int = 1,
         image_size: int = 224,
-        pretrained: bool = False,
-        weights: str | None = None,
         decoder_channels: int = 64,
-        model_kwargs: dict[str, Any] | None = None,
-        ablate: dict[str, Any] | None = None,
-        freeze: list[str] | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.05,
-        layer_decay: float | None = None,
-        warmup_epochs: float = 1.0,
-        min_lr_ratio: float = 0.01,
         dice_weight: float = 1.0,
         grid_images: int = 4,
         class_names: list[str] | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
-        self.save_hyperparameters(logger=False)
-        self.model = models.build_segmenter(model_name, num_classes, in_chans=in_chans, image_size=image_size,
-                                            pretrained=pretrained, weights=weights, decoder_channels=decoder_channels,
-                                            model_kwargs=model_kwargs)
-        self._intervene(ablate, freeze)
+        backbone = self.backbone_args
+        self.model = models.build_segmenter(backbone.model_name, num_classes, in_chans=backbone.in_chans,
+                                            image_size=image_size, pretrained=backbone.pretrained,
+                                            weights=backbone.weights, decoder_channels=decoder_channels,
+                                            model_kwargs=backbone.model_kwargs)
+        self._intervene()
         self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
         k = num_classes + 1
         for stage in ("val", "test"):
