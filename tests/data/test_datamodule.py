@@ -148,6 +148,29 @@ def test_one_image_drawn_twice_in_an_epoch_gets_two_augmentations(tmp_path):
     assert not torch.equal(first, second) and torch.equal(first, first_again)
 
 
+def test_transforms_of_one_pipeline_draw_independently():
+    """Two flips of probability 0.5 in one keyed pipeline: both or neither in about half the samples, not in all
+    (one seed per transform would make every transform of a pipeline draw the same numbers)."""
+    import albumentations as A
+    import numpy as np
+
+    from vitlab.data.sampling import KeyedAugmentation
+
+    image = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+    class Flips(torch.utils.data.Dataset):
+        transform = A.Compose([A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5)])
+
+        def __getitem__(self, index):
+            return self.transform(image=image)["image"]
+
+    keyed = KeyedAugmentation(Flips(), seed=0)
+    outs = [keyed[(index, 0)] for index in range(400)]
+    together = sum(np.array_equal(o, image) or np.array_equal(o, image[::-1, ::-1]) for o in outs)
+    horizontal = sum(np.array_equal(o, image[:, ::-1]) or np.array_equal(o, image[::-1, ::-1]) for o in outs)
+    assert 140 < together < 260 and 140 < horizontal < 260  # ~200 each (binomial sd 10)
+
+
 @pytest.mark.slow
 def test_workers_start_after_opencv_ran_threaded_in_the_parent(tmp_path):
     """OpenCV's thread pool, once running in the parent, is copied half-alive into forked loader workers; a worker

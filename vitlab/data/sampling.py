@@ -9,6 +9,7 @@ run resumed at epoch k shuffles and augments epoch k as an uninterrupted run doe
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -53,7 +54,14 @@ class EpochSampler(Sampler):
 
 
 class KeyedAugmentation(Dataset):
-    """``dataset[index]`` with ``dataset.transform`` (an albumentations ``Compose``) seeded from (seed, epoch, index)."""
+    """``dataset[index]`` with ``dataset.transform`` (an albumentations ``Compose``) drawing from one generator seeded
+    with (seed, epoch, index).
+
+    One generator shared by every transform of the pipeline (``Compose.set_random_state``), not
+    ``Compose.set_random_seed``: that gives each transform its own generator with the same seed, so transforms
+    with the same probability fire together (a horizontal flip always with a vertical one); it also builds two
+    generators per transform and sample.
+    """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
@@ -63,5 +71,6 @@ class KeyedAugmentation(Dataset):
 
     def __getitem__(self, item: tuple[int, int]):
         index, epoch = item
-        self.dataset.transform.set_random_seed(mixed_seed(self.seed, epoch, index))
+        seed = mixed_seed(self.seed, epoch, index)
+        self.dataset.transform.set_random_state(np.random.default_rng(seed), random.Random(seed))
         return self.dataset[index]
