@@ -16,12 +16,14 @@ torch is imported: the entry points call :func:`set_openmp_env` first.
 1. *start* (rank 0, at the fit's set-up): a ``python`` child process running :func:`serve` warms up (fonts, the
    first figure of each kind) while the run sets up;
 2. *submit*: the callbacks hand it figures (:mod:`vitlab.outputs.figures` objects) with their tag and step; the
-   child draws them in order and the training process writes each image when it is drawn (at a later submit or
-   a flush), stamped with the wall time of its submit;
+   child draws them in order and a thread of the training process writes each image as it arrives, stamped
+   with the wall time of its submit;
 3. *pause / resume*: when the run trains on the CPU and its torch threads and loader workers take every core,
    the child is stopped (``SIGSTOP``) during every training and validation step and continued after it: it
    draws between the steps, never taking a core from one;
-4. *flush* (end of the fit, an exception): continue the child, wait for every image and write it;
+4. *flush* (end of the fit, an exception): continue the child and wait for every image. A checkpoint is written
+   only once every image submitted before it is in the event file (``RuntimeCallback``), so a killed run
+   resumed from it lacks none;
 5. *close*: end the child. On Linux the kernel also ends it with the training process (``PR_SET_PDEATHSIG``),
    so a killed run leaves no stopped child behind; elsewhere the child is never paused.
 
@@ -40,7 +42,6 @@ import pickle
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -201,18 +202,19 @@ def serve() -> None:
 class FigureWorker:
     """Draws figures and writes them to TensorBoard in submission order: in a child process (``process=True``,
     see the module docstring) or at once in this process. ``builds`` counts figures built (not updated) by tag
-    in inline mode."""
+    in inline mode. ``submitted`` / ``written`` count figures handed in and finished (written, or failed):
+    :meth:`wait_written` lets another thread wait for the first N (a checkpoint writer does)."""
 
     def __init__(self, process: bool = True) -> None:
         self.process = process
-        self._pending: deque = deque()  # (future, writer, tag, step, walltime)
         self.paused = False
+        self.submitted = self.written = 0
+        self._error: Exception | None = None  # the first error a figure met, raised at the next submit or flush
         if not process:
             from vitlab.outputs.figures import FigureStore
 
             self._store = FigureStore()
             return
-        import itertools
         import queue
         import subprocess
 
@@ -222,50 +224,37 @@ class FigureWorker:
                "VITLAB_FIGURE_PARENT": str(os.getpid())}
         self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.runtime import serve; serve()"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._ids = itertools.count()
-        self._futures: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._targets: dict[int, tuple] = {}  # job -> (writer, tag, step, walltime)
+        self._done = threading.Condition()
         self._jobs: queue.Queue = queue.Queue()  # written by a thread: a submit never waits for the child to read
         threading.Thread(target=self._write_jobs, name="vitlab-figure-jobs", daemon=True).start()
         threading.Thread(target=self._read_images, name="vitlab-figure-images", daemon=True).start()
 
     def submit(self, writer, tag: str, step: int, figure) -> None:
         """Draw ``figure`` as image ``tag`` at ``step`` of ``writer`` (now inline, else when the child has drawn it)."""
+        self._raise_error()
         if not self.process:
             from vitlab.outputs.tensorboard import write_png
 
             write_png(writer, tag, self._store.render(tag, figure)[0], step)
+            self.submitted += 1
+            self.written += 1
             return
-        from concurrent.futures import Future
-
-        future: Future = Future()
-        with self._lock:
-            job = next(self._ids)
-            self._futures[job] = future
+        with self._done:
+            job = self.submitted
+            self._targets[job] = (writer, tag, step, time.time())
+            self.submitted += 1
         self._jobs.put((job, tag, figure))
-        self._pending.append((future, writer, tag, step, time.time()))
-        self._write_drawn(wait=False)
 
     @property
     def builds(self) -> dict[str, int]:
         return dict(self._store.builds) if not self.process else {}
 
-    def _write_drawn(self, wait: bool) -> None:
-        """Write the drawn images at the head of the queue (all of them when ``wait``); raise the first error."""
-        from vitlab.outputs.tensorboard import write_png
-
-        error = None
-        while self._pending and (wait or self._pending[0][0].done()):
-            future, writer, tag, step, walltime = self._pending.popleft()
-            try:
-                png = future.result()
-            except Exception as exc:  # noqa: BLE001  (after the other images are written)
-                error = error or exc
-                continue
-            if getattr(writer, "all_writers", True) is not None:  # a closed writer (the run stopped) gets nothing
-                write_png(writer, tag, png, step, walltime)
-        if error is not None:
-            raise error
+    def wait_written(self, count: int) -> None:
+        """Block until the first ``count`` figures submitted are written (or failed; any thread may wait)."""
+        if self.process:
+            with self._done:
+                self._done.wait_for(lambda: self.written >= count)
 
     def pause(self) -> None:
         """Stop the child until :meth:`resume` (Linux only: elsewhere a stopped child could outlive a killed run)."""
@@ -287,7 +276,8 @@ class FigureWorker:
         """Wait until every figure submitted is drawn and written; raise the first error a figure met."""
         if self.process:
             self.resume()
-            self._write_drawn(wait=True)
+            self.wait_written(self.submitted)
+        self._raise_error()
 
     def close(self) -> None:
         """End the child (after :meth:`flush`, nothing it holds is waited for)."""
@@ -297,36 +287,53 @@ class FigureWorker:
                 self._proc.kill()
             self._jobs.put(None)
 
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
     def _write_jobs(self) -> None:
         while (message := self._jobs.get()) is not None:
             try:
                 _send(self._proc.stdin, message)
             except (BrokenPipeError, OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
-                self._fail(message[0], RuntimeError(f"could not send a figure to vitlab's figure worker: {type(exc).__name__}: {exc}"))
+                self._finish(message[0], RuntimeError(f"could not send a figure to vitlab's figure worker: {type(exc).__name__}: {exc}"))
         with contextlib.suppress(OSError):
             self._proc.stdin.close()  # the child ends when its input does
 
     def _read_images(self) -> None:
+        """Write each image as the child sends it (it draws in submission order), on this thread."""
         while True:
             try:
                 job, ok, value = _receive(self._proc.stdout)
             except (EOFError, OSError, pickle.UnpicklingError):
                 break
-            with self._lock:
-                future = self._futures.pop(job, None)
-            if future is not None:
-                future.set_result(value) if ok else future.set_exception(value)
+            self._finish(job, value if not ok else None, png=value if ok else None)
         code = self._proc.wait()
-        with self._lock:
-            pending, self._futures = list(self._futures.values()), {}
-        for future in pending:
-            future.set_exception(RuntimeError(f"vitlab's figure worker ended (exit code {code}) before drawing this figure"))
+        with self._done:
+            left = sorted(self._targets)
+        for job in left:
+            self._finish(job, RuntimeError(f"vitlab's figure worker ended (exit code {code}) before drawing this figure"))
 
-    def _fail(self, job: int, error: Exception) -> None:
-        with self._lock:
-            future = self._futures.pop(job, None)
-        if future is not None:
-            future.set_exception(error)
+    def _finish(self, job: int, error: Exception | None, png: bytes | None = None) -> None:
+        with self._done:
+            target = self._targets.pop(job, None)
+        if target is None:
+            return
+        writer, tag, step, walltime = target
+        try:
+            if error is not None:
+                raise error
+            if getattr(writer, "all_writers", True) is not None:  # a closed writer (the run stopped) gets nothing
+                from vitlab.outputs.tensorboard import write_png
+
+                write_png(writer, tag, png, step, walltime)
+        except Exception as exc:  # noqa: BLE001  (raised in the training process at its next submit or flush)
+            self._error = self._error or exc
+        finally:
+            with self._done:
+                self.written += 1
+                self._done.notify_all()
 
 
 def figure_worker(trainer: Any) -> FigureWorker | None:

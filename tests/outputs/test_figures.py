@@ -338,9 +338,9 @@ def test_a_paused_worker_draws_nothing_until_resumed_and_a_flush_resumes_it(tmp_
         worker.pause()
         worker.submit(writer, "second", 1, Heatmap([[2.0]]))
         time.sleep(1.0)
-        assert not worker._pending[0][0].done()  # stopped
+        assert (worker.submitted, worker.written) == (2, 1)  # stopped
         worker.flush()  # resumes it
-        assert not worker.paused and not worker._pending
+        assert not worker.paused and worker.written == 2
     finally:
         worker.close()
         writer.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
+from lightning_fabric.plugins import CheckpointIO
 
 from vitlab.runtime import FIGURE_MODES, FigureWorker, available_cores
 
@@ -31,10 +32,23 @@ class RuntimeCallback(pl.Callback):
         self.workers = workers
         self.figure_worker: FigureWorker | None = None
         self._pause = False
+        self._epoch_end = False  # between this callback's on_train_epoch_end and the next epoch's start
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and trainer.is_global_zero and self.figures != "off" and self.figure_worker is None:
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        from vitlab.outputs.tensorboard import resume_step
+
+        if resume_step(trainer) > 0 and trainer.log_dir:  # a killed run's half-written snapshots and tables
+            from vitlab.outputs.files import remove_stale_temps
+
+            for path in remove_stale_temps(trainer.log_dir):
+                print(f"vitlab: removed {path}, left by the killed run")
+        if self.figures != "off" and self.figure_worker is None:
             self.figure_worker = FigureWorker(process=self.figures == "auto")
+            if self.figure_worker.process and type(trainer.strategy).__name__ in ("SingleDeviceStrategy", "DDPStrategy"):
+                # (strategies whose rank 0 writes the whole checkpoint through strategy.checkpoint_io)
+                trainer.strategy.checkpoint_io = SettledCheckpointIO(trainer.strategy.checkpoint_io, self.figure_worker, trainer.loggers)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         import torch
@@ -46,6 +60,12 @@ class RuntimeCallback(pl.Callback):
     def _paused(self, paused: bool) -> None:
         if self._pause:
             self.figure_worker.pause() if paused else self.figure_worker.resume()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end = False
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end = True  # (runs before the checkpoints: Lightning calls monitoring callbacks last)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._paused(True)
@@ -63,7 +83,16 @@ class RuntimeCallback(pl.Callback):
         """The task's figures of this validation (after its epoch-end hook), at its ``val/*`` metrics' step."""
         log_validation_figures(trainer, pl_module)
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Before a checkpoint is written, everything it says happened is on disk: a run killed at any moment
+        after it and resumed from it has every point up to its step, and the resumed run writes the rest."""
+        settled = isinstance(trainer.strategy.checkpoint_io, SettledCheckpointIO)  # it waits for the figures itself
+        settle_outputs(trainer, None if settled else self.figure_worker, self._epoch_end)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, SettledCheckpointIO):
+            trainer.strategy.checkpoint_io = io.checkpoint_io  # (its writes were waited for by the strategy's teardown)
         self._close(raise_errors=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -95,3 +124,107 @@ def log_validation_figures(trainer: pl.Trainer, pl_module: pl.LightningModule) -
         return
     for tag, figure in make().items():
         worker.submit(writer, tag, logging_step(trainer), figure)
+
+
+def settle_outputs(trainer: pl.Trainer, worker: FigureWorker | None, epoch_end: bool) -> None:
+    """Put on disk what a checkpoint written now covers (all ranks call it: metrics may synchronise);
+    ``epoch_end``: the checkpoint is saved in ``on_train_epoch_end``.
+
+    1. The training epoch's metrics (``train/acc``, ``train/loss_epoch`` ...): Lightning writes them to the
+       loggers after the monitoring callbacks' ``on_train_epoch_end``, i.e. after a checkpoint saved there, and a
+       run resumed from that checkpoint never logs them again. They are logged now, at the step Lightning
+       gives them (its own call then finds nothing left to log).
+    2. Every figure handed to the figure worker: drawn and written (a resumed run does not draw them again).
+    3. Every logger flushed (TensorBoard's writer otherwise writes on its own schedule).
+    """
+    if epoch_end and trainer.training:
+        loop = trainer.fit_loop.epoch_loop
+        loop._batches_that_stepped -= 1  # as Lightning's fit loop does for the epoch-end metrics
+        try:
+            trainer._logger_connector.update_train_epoch_metrics()
+        finally:
+            loop._batches_that_stepped += 1
+    if worker is not None:
+        worker.flush()
+    for logger in trainer.loggers:
+        logger.save()
+
+
+class SettledCheckpointIO(CheckpointIO):
+    """Writes a checkpoint only once every figure handed to the figure worker before it is in the event file.
+
+    When figures are still being drawn, the checkpoint's tensors are copied at once and the file is written by a
+    thread after them, so training goes on meanwhile (a figure set takes seconds to draw); a run killed before
+    the file exists resumes from the previous checkpoint and draws the set again. Removals wait for the writes
+    before them; the strategy's teardown waits for all (``teardown``). Installed by :class:`RuntimeCallback`.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO, worker: FigureWorker, loggers: list) -> None:
+        super().__init__()
+        self.checkpoint_io, self.worker, self.loggers = checkpoint_io, worker, loggers
+        self._executor = None
+        self._writes: list = []  # (figures it waits for, future)
+        self._error: BaseException | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self._raise_error()
+        count = self.worker.submitted
+        if self._executor is None and self.worker.written >= count:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        import torch
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        for mark, future in self._writes:  # at most one epoch's checkpoints wait: figures slower than epochs block here
+            if mark < count:
+                future.result()
+        self._writes = [(mark, future) for mark, future in self._writes if not future.done()]
+        # a copy in host memory taken now, before training goes on (not on the GPU: it may have no room for it)
+        copy = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+        def write() -> None:
+            self.worker.wait_written(count)
+            for logger in self.loggers:
+                logger.save()  # (flushes TensorBoard's writer: the images are on disk before the checkpoint)
+            self.checkpoint_io.save_checkpoint(copy, path, storage_options=storage_options)
+
+        self._writes.append((count, self._submit(write)))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if self._executor is None:
+            self.checkpoint_io.remove_checkpoint(path)
+        else:
+            self._submit(lambda: self.checkpoint_io.remove_checkpoint(path))
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._drain()
+        return self.checkpoint_io.load_checkpoint(*args, **kwargs)
+
+    def teardown(self) -> None:
+        self._drain()
+        self.checkpoint_io.teardown()
+
+    def _submit(self, task):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitlab-checkpoint")
+
+        def run() -> None:
+            try:
+                task()
+            except BaseException as exc:  # noqa: BLE001  (raised in the training process at the next call)
+                self._error = self._error or exc
+
+        return self._executor.submit(run)
+
+    def _drain(self) -> None:
+        executor, self._executor, self._writes = self._executor, None, []
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

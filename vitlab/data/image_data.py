@@ -242,15 +242,16 @@ class ImageData:
     trainer = None  # (the LightningDataModule's, when there is one)
 
     def setup(self, stage: str | None = None) -> None:
-        """Check headers, assign splits and log ``data/skipped_files`` to the trainer's loggers."""
+        """Check headers, assign splits and log ``data/skipped_files`` to the trainer's loggers (at step 0, once per
+        run: not again when a killed run resumes)."""
         self._prepare()
         trainer = self.trainer
         if trainer is not None and not self._skips_logged:
             from vitlab.outputs.tensorboard import resume_step
 
-            step = resume_step(trainer)  # 0, or the step a resumed run continues from (no second point at 0)
-            for logger in trainer.loggers:
-                logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=step)
+            if resume_step(trainer) == 0:  # once per run: a resumed run's point from its first start is kept
+                for logger in trainer.loggers:
+                    logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
             self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders

@@ -37,6 +37,22 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temp files :func:`atomic_path` left under ``directory`` (recursively) when a process was killed
+    while writing (``qkv/.epoch_006.safetensors.k3j_x9a2.tmp``); returns them. Call it only where no other live
+    process writes (a resumed run's own folder, before it writes)."""
+    import re
+
+    pattern = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")  # "." + final name + "." + mkstemp's 8 characters + ".tmp"
+    removed = []
+    for path in sorted(Path(directory).rglob(".*.tmp")):
+        if path.is_file() and pattern.match(path.name):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
 def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> Path:
     """Write torch ``tensors`` to a safetensors file atomically; metadata values are stored as strings."""
     from safetensors.torch import save_file

@@ -134,7 +134,8 @@ def write_layout_once(trainer: Any) -> None:
     """Write one merged custom-scalars layout for every callback that offers ``tensorboard_layout()``.
 
     TensorBoard's custom-scalars plugin reads only the first layout of a run, so callbacks must not each
-    write their own: the first one to log calls this and the layouts of all of them are merged.
+    write their own: the first one to log calls this and the layouts of all of them are merged. Written once per
+    run, at the step it is first due: a resumed run does not write it again.
     """
     writer = tensorboard_writer(trainer)
     if writer is None or getattr(writer, "_vitlab_layout_written", False):
@@ -144,7 +145,7 @@ def write_layout_once(trainer: Any) -> None:
         make = getattr(callback, "tensorboard_layout", None)
         if callable(make):
             layout.update(make())
-    if layout:  # at the current step, so a resumed run's copy is not a second point at step 0
+    if layout and resume_step(trainer) == 0:  # once per run: a resumed run's first start wrote it (before any checkpoint)
         from torch.utils.tensorboard.summary import custom_scalars
 
         writer._get_file_writer().add_summary(custom_scalars(layout), logging_step(trainer))
