@@ -424,3 +424,17 @@ def test_a_transfer_syntax_that_misnames_the_vr_encoding_reads_like_pydicom(tmp_
         path = save(ds, tmp_path / "misnamed.dcm", other, body=body)
         for read in (read_image, ImageReader()):
             np.testing.assert_array_equal(read(path), truth)
+
+
+# ---------------------------------------------------------------- big-endian palette colour
+@pytest.mark.parametrize("bits", [8, 16])
+def test_big_endian_palette_colour_equals_its_little_endian_twin(tmp_path, bits):
+    """pydicom's apply_color_lut reads OW lookup-table data in the machine's byte order: a big-endian file came out
+    nearly black (its LUT values byte-swapped) until vitlab handed it the table in native order."""
+    ds = image_dataset("palette", np.random.default_rng(3), bits=bits, size=(16, 12))
+    little = read_image(save(ds, tmp_path / "palette_le.dcm", ExplicitVRLittleEndian))
+    big_path = save(ds, tmp_path / "palette_be.dcm", ExplicitVRBigEndian)  # tables and pixels stored big endian
+    assert pydicom.dcmread(big_path).file_meta.TransferSyntaxUID == ExplicitVRBigEndian
+    assert little.shape == (16, 12, 3) and little.mean() > 0.05
+    for read in (read_image, ImageReader()):
+        np.testing.assert_array_equal(read(big_path), little)

@@ -15,6 +15,7 @@ length that is not certain) always takes pydicom's decoder.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -280,12 +281,36 @@ def _display_dataset(path: str | os.PathLike, stored: np.ndarray, ds: Dataset, o
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
     if photometric == "PALETTE COLOR":
         lut_bits = int(ds.RedPaletteColorLookupTableDescriptor[2])
-        return (apply_color_lut(stored, ds).astype(np.float32) / np.float32(2**lut_bits - 1)).clip(0.0, 1.0)
+        rgb = apply_color_lut(stored, _palette_in_native_order(ds))  # (..., 3)
+        return (rgb.astype(np.float32) / np.float32(2**lut_bits - 1)).clip(0.0, 1.0)
     if int(ds.get("SamplesPerPixel") or 1) > 1:  # RGB; YBR was converted to RGB by pixel_array
         max_value = 2 ** int(ds.get("BitsStored") or stored.dtype.itemsize * 8) - 1
         return (stored.astype(np.float32) / np.float32(max_value)).clip(0.0, 1.0)
     window = options.explicit_window or _tag_window(path, ds, options.window_index)
     return _display(apply_modality_lut(stored, ds), window, photometric == "MONOCHROME1")
+
+
+def _palette_in_native_order(ds: Dataset) -> Dataset:
+    """``ds``'s palette with 16-bit lookup-table data in this machine's byte order, for ``apply_color_lut``.
+
+    pydicom (3.0) reads non-segmented (OW) lookup-table data with ``np.frombuffer`` in the machine's order whatever
+    the file's: an Explicit VR Big Endian palette image came out byte-swapped, nearly black. Segmented tables are
+    unpacked in the file's order by pydicom itself and are left as they are.
+    """
+    little = getattr(ds, "original_encoding", (None, None))[1]  # how pydicom read the file
+    if little is None:
+        little = ds.file_meta.TransferSyntaxUID.is_little_endian
+    if little == (sys.byteorder == "little") or "RedPaletteColorLookupTableData" not in ds:
+        return ds
+    palette = Dataset()
+    for colour in ("Red", "Green", "Blue"):
+        descriptor = ds[f"{colour}PaletteColorLookupTableDescriptor"].value
+        data = ds[f"{colour}PaletteColorLookupTableData"].value
+        if len(data) == 2 * (int(descriptor[0]) or 2**16):  # 16 bits per entry (8-bit entries have no order)
+            data = np.frombuffer(data, dtype="<u2" if little else ">u2").astype("=u2").tobytes()
+        setattr(palette, f"{colour}PaletteColorLookupTableDescriptor", descriptor)
+        setattr(palette, f"{colour}PaletteColorLookupTableData", data)
+    return palette
 
 
 def finite(path: str | os.PathLike, image: np.ndarray) -> np.ndarray:
