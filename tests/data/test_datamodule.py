@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import shutil
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -394,3 +395,34 @@ data:
     assert isinstance(dm.user_transforms, A.Compose) and dm.read_options.frames == 0
     image, _ = dm.dataset("train", augmented=True)[0]
     assert image.shape == (1, 32, 32)
+
+
+def _white_to_nan(image, **kwargs):
+    """A user transform that makes NaN from saturated pixels (as a careless log or division would)."""
+    return np.where(image >= 1.0, np.float32(np.nan), image).astype(np.float32)
+
+
+@pytest.mark.parametrize("on_bad_file", ["skip", "error"])
+def test_no_non_finite_tensor_reaches_a_batch(tmp_path, on_bad_file):
+    """The last guard where samples become batches: a NaN made after decoding is refused, naming the file."""
+    root = png_folders(tmp_path / "data")
+    for path in root.rglob("*.png"):  # no saturated pixel anywhere ...
+        Image.fromarray(np.minimum(np.asarray(Image.open(path)), 200).astype(np.uint8)).save(path)
+    white = root / "malignant" / "white.png"  # ... but in this file
+    Image.fromarray(np.full((16, 16), 255, np.uint8)).save(white)
+    dm = module(root, val_fraction=0.0, on_bad_file=on_bad_file, train_transforms=A.Compose([A.Lambda(image=_white_to_nan)]))
+    dm.setup("fit")
+    assert dm.skipped_files == 0
+    if on_bad_file == "error":
+        with pytest.raises(ImageReadError) as error:
+            list(dm.train_dataloader())
+        message = str(error.value)
+        assert message.startswith(f"{white}: ") and "non-finite" in message and "\n" not in message, message
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = [batch for _ in range(2) for batch in dm.train_dataloader()]  # two epochs: warned once
+    assert all(images.isfinite().all() for images, _ in batches)
+    warned = [str(w.message) for w in caught if w.category is SkippedFileWarning]
+    assert len(warned) == 1 and str(white) in warned[0] and "non-finite" in warned[0], warned
+    assert dm.skipped_files == 1 and dm.bad_paths == {str(white)}

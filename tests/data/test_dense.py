@@ -11,6 +11,7 @@ from PIL import Image
 
 from vitlab.data.dense import DenseDataset, MaskError, boxes_of, dense_collate, instances
 from vitlab.data.datamodule import DenseDataModule
+from vitlab.data.io import ImageReadError
 from vitlab.data.layouts import Sample, SkippedFileWarning
 
 NORM = A.Normalize(mean=(0.0,), std=(1.0,), max_pixel_value=1.0)
@@ -259,3 +260,21 @@ def test_manifest_boxes_column(tmp_path):
         skipping = DenseDataModule(root=str(bad), image_size=48, num_workers=0, on_bad_file="skip")
         skipping.setup()
     assert skipping.skipped_files == 1
+
+
+def test_non_finite_image_tensor_is_named_or_skipped(tmp_path):
+    """The dense datasets' last guard: a transform that makes NaN names the file, or skips it under skip."""
+    def bright_to_nan(image, **kwargs):
+        return np.where(image > 0.85, np.float32(np.nan), image).astype(np.float32)
+
+    bright = planted(tmp_path, "bright", [(4, 4, 6)])  # 230 / 255 inside the square
+    dark = planted(tmp_path, "dark", [])
+    transform = A.Compose([A.Lambda(image=bright_to_nan), NORM])
+    strict = DenseDataset([bright, dark], ["a"], transform, on_bad_file="error")
+    with pytest.raises(ImageReadError, match=r"bright.png: 36 non-finite") as err:
+        strict[0]
+    assert "\n" not in str(err.value)
+    skipping = DenseDataset([bright, dark], ["a"], transform, on_bad_file="skip")
+    with pytest.warns(SkippedFileWarning, match="bright.png"):
+        image, target = skipping[0]
+    assert image.isfinite().all() and target["boxes"].shape == (0, 4) and skipping.bad_paths == {str(bright.path)}

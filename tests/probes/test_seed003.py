@@ -2,7 +2,9 @@
 
 import argparse
 import csv
+import io
 import json
+import re
 
 import pytest
 import torch
@@ -82,6 +84,32 @@ def test_ablate_survey_end_to_end(tmp_path, config):
     assert (grid.width, grid.height) == (4 * 130 + 2, 2 * 130 + 2)  # original | 3 variants, 2 images, 32 -> 128 px
     assert "inversion/curves_vs_depth" in acc.Tags()["images"]
     assert json.loads((out / "inversion.json").read_text())["variants"] == ["intact", "no attention", "no mlp+layernorm"]
+
+
+class _Terminal(io.StringIO):
+    """A captured stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log-file", "terminal"])
+def test_ablate_progress_is_one_bar_on_a_terminal_and_none_in_a_file(tmp_path, weights, tiny_dataset, monkeypatch,
+                                                                     terminal):
+    """Nested tqdm bars (layers, then each variant's inversion steps) wrote cursor-movement escapes into log files."""
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    main(["ablate", "--ablate", "attention", *VIT, "--weights", str(weights), "--images", str(tiny_dataset.parent),
+          "--num-images", "1", "--layers", "embed,0", "--steps", "3", "--noise-draws", "1", "--accuracy-images", "0",
+          "--out", str(tmp_path / "ablate")])
+    written = stderr.getvalue()
+    assert "\x1b[" not in written  # no cursor movement: no second bar
+    if not terminal:
+        assert "\r" not in written and "it/s" not in written and "inverting layers" not in written, written
+        return
+    frames = [frame for frame in re.split(r"[\r\n]", written) if "|" in frame]  # every drawing of a bar
+    assert frames and {frame.split(":")[0] for frame in frames} == {"inverting layers"}, written  # one bar
+    assert any("intact @ embed" in frame for frame in frames)  # the inner loops' progress, in its postfix
 
 
 def test_invert_end_to_end_per_image_rows(tmp_path, weights, tiny_dataset):

@@ -35,9 +35,10 @@ def to_channels(image: np.ndarray, in_chans: int) -> np.ndarray:
 class MedicalImageDataset(Dataset):
     """Decoded, windowed, augmented images with integer labels.
 
-    Under ``on_bad_file="skip"`` a file that fails to decode is reported once per process
-    (a :class:`SkippedFileWarning`) and the next index's image is returned instead, so a bad file
-    found only at decode time does not stop training.
+    Under ``on_bad_file="skip"`` a file that fails to decode, or whose finished tensor holds a non-finite value,
+    is reported once per process (a :class:`SkippedFileWarning`, the path added to ``bad_paths``) and the next
+    index's image is returned instead, so a bad file found only at decode time does not stop training; under
+    ``"error"`` it raises a one-line :class:`ImageReadError` naming the file. No NaN or infinity reaches a batch.
 
     Args:
         samples: The images.
@@ -56,6 +57,8 @@ class MedicalImageDataset(Dataset):
             image before an augmenting ``transform``, the final tensor when ``deterministic``.
         deterministic: ``transform`` gives the same output for the same input (resize + normalise: the
             validation, test and probe pipelines), so whole items can be kept.
+        bad_paths: The set that collects the files skipped at decode time (a data module shares one among its
+            datasets to count them); None -> a new one.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class MedicalImageDataset(Dataset):
         prescale_to: int | None = None,
         memory: MemoryCache | None = None,
         deterministic: bool = False,
+        bad_paths: set[str] | None = None,
     ) -> None:
         if read_options is not None and read_options.frames == "all":
             raise ValueError("frames='all' gives a volume per file; a 2-D dataset needs 'middle' or a frame index")
@@ -86,7 +90,7 @@ class MedicalImageDataset(Dataset):
         self.reader = reader or ImageReader(self.read_options)
         self.on_bad_file = on_bad_file
         self.cache = cache
-        self.bad_paths: set[str] = set()  # files that failed to decode in this process
+        self.bad_paths: set[str] = set() if bad_paths is None else bad_paths  # skipped at decode time, this process
         self.prescale_to = prescale_to
         self.memory = memory
         self.deterministic = deterministic
@@ -118,31 +122,51 @@ class MedicalImageDataset(Dataset):
                     warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=3)
         raise RuntimeError(f"none of the {len(self)} {what} could be read (see the warnings above)")
 
-    def _first_readable(self, index: int) -> tuple[np.ndarray, int]:
-        return self.first_good(index, self.load_array)
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        key = (self.deterministic, str(self.samples[index].path))  # (one cache may serve several splits)
+        return self.first_good(index, self._item)[0]
+
+    def _item(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample ``index`` as ``(tensor (C, S, S), label)``, through the memory cache.
+
+        Raises:
+            ImageReadError: The file cannot be read, or the finished tensor is not finite.
+        """
+        path = self.samples[index].path
+        key = (self.deterministic, str(path))  # (one cache may serve several splits)
         kept = self.memory.get(key) if self.memory is not None else None
         if kept is not None and self.deterministic:
             tensor, label = kept
             return tensor.clone(), label  # (the caller may change it in place)
         if kept is not None:
-            image, used = kept[0].copy(), kept[1]  # (a transform may change its input in place)
+            image = kept[0].copy()  # (a transform may change its input in place)
         else:
-            image, used = self._first_readable(index)
-            image = to_channels(image, self.in_chans)  # (H, W, C)
+            image = to_channels(self.load_array(index), self.in_chans)  # (H, W, C)
             if self.prescale_to:
                 image = integer_downscale(image, self.prescale_to)
             if self.memory is not None and not self.deterministic:
-                self.memory.put(key, (image.copy(), used), image.nbytes)
+                self.memory.put(key, (image.copy(), index), image.nbytes)
         out = self.transform(image=image)["image"]  # (S, S, C) normalised
         if out.ndim == 2:
             out = out[:, :, None]
-        tensor = torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32))  # (C, S, S)
+        tensor = finite_tensor(path, torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32)))
         if self.memory is not None and self.deterministic:
-            self.memory.put(key, (tensor.clone(), self.labels[used]), tensor.numel() * tensor.element_size())
-        return tensor, self.labels[used]
+            self.memory.put(key, (tensor.clone(), self.labels[index]), tensor.numel() * tensor.element_size())
+        return tensor, self.labels[index]  # (C, S, S)
+
+
+def finite_tensor(path: object, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` when every value is finite, else :class:`ImageReadError` naming the file.
+
+    The last guard before a batch: the readers return finite images in [0, 1], but a transform (a user's, or
+    Normalize with a tiny std) can still make NaN or infinity, and one such value makes a whole run's loss NaN.
+    """
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ImageReadError(
+            f"{path}: {bad} non-finite (NaN or infinite) value(s) in its {tuple(tensor.shape)} sample tensor after the "
+            "transforms; an image must be finite to be batched (check the transforms and mean/std)"
+        )
+    return tensor
 
 
 def integer_downscale(image: np.ndarray, target: int) -> np.ndarray:

@@ -24,7 +24,7 @@ import albumentations as A
 import numpy as np
 import torch
 
-from vitlab.data.dataset import MedicalImageDataset, integer_downscale, to_channels
+from vitlab.data.dataset import MedicalImageDataset, finite_tensor, integer_downscale, to_channels
 from vitlab.data.layouts import Sample, skip_or_raise
 
 from vitlab.data.boxes import BOX_FORMAT, box_masks, parse_boxes, scan_coco  # noqa: F401  (the dense data's API)
@@ -82,22 +82,23 @@ class DenseDataset(MedicalImageDataset):
         boxes = parse_boxes(sample, self.mask_classes, image.shape[:2]) if sample.boxes else None
         return image, mask, boxes
 
-    def _first_pair(self, index: int) -> tuple[np.ndarray, np.ndarray | None, tuple[np.ndarray, list[int]] | None]:
-        return self.first_good(index, self._pair, "image/mask pairs")[0]
-
     def _kept_pair(self, index: int) -> tuple[np.ndarray, np.ndarray | None, tuple[np.ndarray, list[int]] | None]:
-        """:meth:`_first_pair` through the memory cache (decoded pairs; copies: a transform may change them)."""
+        """:meth:`_pair` through the memory cache (decoded pairs; copies: a transform may change them)."""
         if self.memory is None:
-            return self._first_pair(index)
+            return self._pair(index)
         key = ("pair", str(self.samples[index].path))
         kept = self.memory.get(key)
         if kept is None:
-            kept = self._first_pair(index)
+            kept = self._pair(index)
             self.memory.put(key, kept, kept[0].nbytes + (0 if kept[1] is None else kept[1].nbytes))
         image, mask, user = kept
         return image.copy(), None if mask is None else mask.copy(), user
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.first_good(index, self._item, "image/mask pairs")[0]
+
+    def _item(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sample ``index`` as ``(image (C, S, S), target)``; raises for a bad pair or a non-finite image tensor."""
         image, mask, user = self._kept_pair(index)
         image = to_channels(image, self.in_chans)  # (H, W, C)
         boxes, user_labels = user if user is not None else (None, [])
@@ -135,7 +136,7 @@ class DenseDataset(MedicalImageDataset):
                                       else np.zeros((0, *size), dtype=np.uint8)),  # (N, S, S)
         }
         tensor = torch.from_numpy(np.ascontiguousarray(picture.transpose(2, 0, 1), dtype=np.float32))  # (C, S, S)
-        return tensor, target
+        return finite_tensor(self.samples[index].path, tensor), target
 
 
 def dense_collate(batch: list) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:

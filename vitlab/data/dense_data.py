@@ -44,7 +44,7 @@ class DenseImageData(ImageData):
             return self._samples
         samples = super()._prepare()
         kept, skipped = check_masks(samples, self.num_mask_classes, self.on_bad_file, self.mask_classes)
-        self.skipped_files += len(skipped)
+        self._skipped_at_setup += len(skipped)
         self._samples = kept
         return kept
 
@@ -54,5 +54,5 @@ class DenseImageData(ImageData):
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory,
+            memory=self.memory, bad_paths=self.bad_paths,
         )  # fmt: skip

@@ -8,13 +8,14 @@ Fast path: the first read of a file parses its header once into a :class:`Native
 the pixel bytes start, their dtype, rescale and window); later reads of uncompressed
 little-endian grayscale files are a single ``np.fromfile`` of the wanted frame, with results
 identical to pydicom's decoding. Anything else (compressed, big endian, colour, modality LUT
-sequences, float pixels) always takes pydicom's decoder.
+sequences, float pixels, a Transfer Syntax UID that misnames the file's VR encoding, a pixel
+length that is not certain) always takes pydicom's decoder.
 """
 
 from __future__ import annotations
 
 import os
-import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,7 +28,15 @@ from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pix
 from pydicom.tag import Tag
 
 from vitlab.data import imagecodecs_plugin
-from vitlab.data.dicom_checks import check_values, has_image_elements, read_forced
+from vitlab.data.dicom_checks import (
+    PixelElement,
+    check_pixel_data,
+    check_values,
+    has_image_elements,
+    pixel_element,
+    read_as_implicit_vr,
+    read_forced,
+)
 from vitlab.data.read_options import (
     ImageNotFoundError,
     ImageReadError,
@@ -36,6 +45,7 @@ from vitlab.data.read_options import (
     min_max,
     one_line,
     window_values,
+    window_width_problem,
 )
 
 # Packages (pip names) that add a decoder for a compressed transfer syntax, by UID. vitlab installs
@@ -73,7 +83,7 @@ _DICOM_TAGS = [Tag(keyword) for keyword in (
     "DoubleFloatPixelData", "PixelData",
 )]  # fmt: skip
 _NATIVE_LITTLE_ENDIAN = {"1.2.840.10008.1.2": False, "1.2.840.10008.1.2.1": True}  # UID -> explicit VR
-_PIXEL_DATA_TAG = b"\xe0\x7f\x10\x00"  # (7FE0,0010) little endian
+_PIXEL_DATA = Tag(0x7FE00010)
 _DEFLATED = "1.2.840.10008.1.2.1.99"  # pixel offsets in the file mean nothing: read whole
 _NOT_DICOM = "not a DICOM file (no 'DICM' preamble and file meta header)"
 imagecodecs_plugin.register()  # 12-bit JPEG Extended, JPEG Lossless (see vitlab.data.imagecodecs_plugin)
@@ -147,14 +157,16 @@ class DicomHeader(NamedTuple):
     ds: Dataset  # the elements display needs
     pixel_offset: int  # byte offset of the pixel data element
     file_size: int
-    pixel_element_head: bytes  # its first 12 bytes (tag, VR, length)
+    pixel: PixelElement | None  # its header as pydicom reads it (None: deflated, or not a pixel element header)
 
 
 def dicom_header(path: str | os.PathLike) -> DicomHeader:
     """Read a DICOM header (no pixel data) and check that the pixels can be decoded.
 
-    Catches from the header alone: non-DICOM files, missing pixel data, missing decoder plugins
-    and truncated uncompressed pixel data (fewer bytes left than rows x columns x frames needs).
+    Catches from the header alone: non-DICOM files, missing pixel data, missing decoder plugins,
+    truncated uncompressed pixel data (fewer bytes left than rows x columns x frames needs) and a
+    declared PixelData length that is too short or runs past the end of the file. :func:`read_dicom`
+    and :class:`~vitlab.data.io.ImageReader` both start here, so they refuse the same files alike.
 
     Raises:
         ImageReadError: The file is unusable, with the reason.
@@ -168,6 +180,7 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
             except InvalidDicomError:  # no preamble: an image only if pydicom finds one with force=True
                 f.seek(0)
                 ds = _read_without_preamble(path, f, stop_before_pixels=True)
+            implicit_vr = read_as_implicit_vr(ds)
             pixel_offset = f.tell()
             head = f.read(12)
             file_size = os.fstat(f.fileno()).st_size
@@ -182,31 +195,27 @@ def dicom_header(path: str | os.PathLike) -> DicomHeader:
         raise ImageReadError(f"{path}: DICOM file has no pixel data")
     check_values(path, ds)
     check_decodable(path, ds)
-    if not ds.file_meta.TransferSyntaxUID.is_compressed and head:  # head is b"" for deflated files
-        expected = _pixel_bytes(ds)
-        if file_size - pixel_offset < expected + 8:  # + 8: the smallest element header
-            raise ImageReadError(
-                f"{path}: truncated pixel data ({file_size - pixel_offset} bytes left in the file, {expected} expected)"
-            )
-    return DicomHeader(ds, pixel_offset, file_size, head)
+    pixel = pixel_element(ds, head, implicit_vr)  # (head is b"" for deflated files: None)
+    if not ds.file_meta.TransferSyntaxUID.is_compressed and head:
+        check_pixel_data(path, ds, pixel, file_size - pixel_offset)
+    return DicomHeader(ds, pixel_offset, file_size, pixel)
 
 
-def _pixel_bytes(ds: Dataset) -> int:
-    frames, samples = int(ds.get("NumberOfFrames") or 1), int(ds.get("SamplesPerPixel") or 1)
-    length = (ds.Rows * ds.Columns * frames * samples * int(ds.get("BitsAllocated") or 8) + 7) // 8
-    if str(ds.get("PhotometricInterpretation", "")) == "YBR_FULL_422":  # two of three chroma samples per pair
-        length = length // 3 * 2
-    return length
-
-
-def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Dataset]:
+def decode(path: str | os.PathLike, frames: str | int, *, header_checked: bool = False) -> tuple[np.ndarray, Dataset]:
     """Stored values of the selected frame(s) via pydicom, and the header elements display needs.
+
+    Args:
+        path: The file.
+        frames: Frame selector (see :func:`~vitlab.data.read_options.frame_index`).
+        header_checked: :func:`dicom_header` already passed on this version of the file (the reader's memory
+            says so); otherwise it runs first, so that a file is refused alike by every reader and before pydicom
+            reads a pixel length that the file cannot hold.
 
     Returns:
         (H, W[, 3]) for one frame, (F, H, W[, 3]) for ``frames="all"``; the dataset.
     """
-    if not os.path.isfile(path):
-        raise ImageNotFoundError(f"{path}: file not found")
+    if not header_checked:
+        dicom_header(path)
     try:
         try:
             ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
@@ -218,8 +227,6 @@ def decode(path: str | os.PathLike, frames: str | int) -> tuple[np.ndarray, Data
         raise _dicom_error(path, exc) from None
     if not any(tag in ds for tag in ("PixelData", "FloatPixelData", "DoubleFloatPixelData")):
         raise ImageReadError(f"{path}: DICOM file has no pixel data")
-    check_values(path, ds)
-    check_decodable(path, ds)
     count = int(ds.get("NumberOfFrames") or 1)
     index = frame_index(path, frames, count)
     try:
@@ -240,8 +247,9 @@ def _tag_window(path: str | os.PathLike, ds: Dataset, index: int) -> tuple[float
     widths = list(width) if isinstance(width, MultiValue) else [width]
     if index >= min(len(centers), len(widths)):
         raise ImageReadError(f"{path}: window_index {index} out of range (the file lists {len(centers)} windows)")
-    if not float(widths[index]) > 0:
-        raise ImageReadError(f"{path}: WindowWidth {widths[index]} is not positive")
+    problem = window_width_problem(float(widths[index]))
+    if problem:
+        raise ImageReadError(f"{path}: WindowWidth {widths[index]} {problem}")
     return float(centers[index]), float(widths[index])
 
 
@@ -257,9 +265,9 @@ def _display(
     return np.subtract(np.float32(1.0), image, out=image) if monochrome1 else image  # both stay in [0, 1]
 
 
-def read_dicom(path: str | os.PathLike, options: ReadOptions) -> np.ndarray:
-    """One DICOM file as float32 [0, 1] through pydicom's decoders (see the module docstring)."""
-    stored, ds = decode(path, options.frames)
+def read_dicom(path: str | os.PathLike, options: ReadOptions, *, header_checked: bool = False) -> np.ndarray:
+    """One DICOM file as float32 [0, 1] through pydicom's decoders (see the module docstring and :func:`decode`)."""
+    stored, ds = decode(path, options.frames, header_checked=header_checked)
     try:
         image = _display_dataset(path, stored, ds, options)
     except ImageReadError:
@@ -273,12 +281,36 @@ def _display_dataset(path: str | os.PathLike, stored: np.ndarray, ds: Dataset, o
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
     if photometric == "PALETTE COLOR":
         lut_bits = int(ds.RedPaletteColorLookupTableDescriptor[2])
-        return (apply_color_lut(stored, ds).astype(np.float32) / np.float32(2**lut_bits - 1)).clip(0.0, 1.0)
+        rgb = apply_color_lut(stored, _palette_in_native_order(ds))  # (..., 3)
+        return (rgb.astype(np.float32) / np.float32(2**lut_bits - 1)).clip(0.0, 1.0)
     if int(ds.get("SamplesPerPixel") or 1) > 1:  # RGB; YBR was converted to RGB by pixel_array
         max_value = 2 ** int(ds.get("BitsStored") or stored.dtype.itemsize * 8) - 1
         return (stored.astype(np.float32) / np.float32(max_value)).clip(0.0, 1.0)
     window = options.explicit_window or _tag_window(path, ds, options.window_index)
     return _display(apply_modality_lut(stored, ds), window, photometric == "MONOCHROME1")
+
+
+def _palette_in_native_order(ds: Dataset) -> Dataset:
+    """``ds``'s palette with 16-bit lookup-table data in this machine's byte order, for ``apply_color_lut``.
+
+    pydicom (3.0) reads non-segmented (OW) lookup-table data with ``np.frombuffer`` in the machine's order whatever
+    the file's: an Explicit VR Big Endian palette image came out byte-swapped, nearly black. Segmented tables are
+    unpacked in the file's order by pydicom itself and are left as they are.
+    """
+    little = getattr(ds, "original_encoding", (None, None))[1]  # how pydicom read the file
+    if little is None:
+        little = ds.file_meta.TransferSyntaxUID.is_little_endian
+    if little == (sys.byteorder == "little") or "RedPaletteColorLookupTableData" not in ds:
+        return ds
+    palette = Dataset()
+    for colour in ("Red", "Green", "Blue"):
+        descriptor = ds[f"{colour}PaletteColorLookupTableDescriptor"].value
+        data = ds[f"{colour}PaletteColorLookupTableData"].value
+        if len(data) == 2 * (int(descriptor[0]) or 2**16):  # 16 bits per entry (8-bit entries have no order)
+            data = np.frombuffer(data, dtype="<u2" if little else ">u2").astype("=u2").tobytes()
+        setattr(palette, f"{colour}PaletteColorLookupTableDescriptor", descriptor)
+        setattr(palette, f"{colour}PaletteColorLookupTableData", data)
+    return palette
 
 
 def finite(path: str | os.PathLike, image: np.ndarray) -> np.ndarray:
@@ -344,9 +376,15 @@ def native_plan(path: str | os.PathLike, options: ReadOptions, header: DicomHead
     Raises:
         ImageReadError: The header check of :func:`dicom_header` fails.
     """
-    ds, element_offset, file_size, head = header or dicom_header(path)
+    ds, element_offset, file_size, element = header or dicom_header(path)
     explicit_vr = _NATIVE_LITTLE_ENDIAN.get(str(ds.file_meta.TransferSyntaxUID))
-    if explicit_vr is None or head[:4] != _PIXEL_DATA_TAG or ds.get("ModalityLUTSequence"):
+    if (
+        explicit_vr is None
+        or element is None
+        or element.tag != _PIXEL_DATA
+        or element.explicit_vr != explicit_vr  # the UID misnames the encoding: pydicom's reading is the certain one
+        or ds.get("ModalityLUTSequence")
+    ):
         return None
     bits, stored_bits = int(ds.get("BitsAllocated") or 0), int(ds.get("BitsStored") or 0)
     photometric = str(ds.get("PhotometricInterpretation", ""))
@@ -357,11 +395,10 @@ def native_plan(path: str | os.PathLike, options: ReadOptions, header: DicomHead
         or not 0 < stored_bits <= bits
     ):
         return None
-    header_length = 12 if explicit_vr else 8
-    length = struct.unpack("<I", head[header_length - 4 : header_length])[0]
+    header_length = element.header_length
     frames, rows, columns = int(ds.get("NumberOfFrames") or 1), int(ds.Rows), int(ds.Columns)
     expected = frames * rows * columns * bits // 8
-    if length == 0xFFFFFFFF or length < expected or element_offset + header_length + expected > file_size:
+    if not expected <= element.length <= file_size - element_offset - header_length:  # (undefined length too)
         return None
     slope, intercept = ds.get("RescaleSlope"), ds.get("RescaleIntercept")
     has_rescale = "RescaleSlope" in ds and "RescaleIntercept" in ds
@@ -381,7 +418,10 @@ def native_plan(path: str | os.PathLike, options: ReadOptions, header: DicomHead
 
 
 def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) -> np.ndarray:
-    """Read the selected frame(s) with one ``np.fromfile``; equal to :func:`read_dicom`'s result."""
+    """Read the selected frame(s) with one ``np.fromfile``; equal to :func:`read_dicom`'s result.
+
+    Not checked for non-finite values: :class:`~vitlab.data.io.ImageReader` checks every path's result alike.
+    """
     index = frame_index(path, frames, plan.frames)
     frame_values = plan.rows * plan.columns
     dtype = np.dtype(plan.dtype)
@@ -398,7 +438,7 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
     if plan.unused_bits:
         np.left_shift(stored, plan.unused_bits, out=stored)
         np.right_shift(stored, plan.unused_bits, out=stored)
-    values, bounded = stored, True  # integers through a finite window or min-max stay finite
+    values = stored
     if plan.rescale is not None:
         slope, intercept = plan.rescale
         # float32 is exact (hence identical to pydicom's float64) for integer rescale of small integers
@@ -407,6 +447,4 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
         values = stored.astype(np.float32 if exact else np.float64)
         values *= slope
         values += intercept
-        bounded = largest < 1e38  # no overflow to inf in float32
-    image = _display(values, plan.window, plan.monochrome1, reuse=True)
-    return image if bounded else finite(path, image)
+    return _display(values, plan.window, plan.monochrome1, reuse=True)

@@ -37,7 +37,9 @@ class ImageData:
     ``skipped_files`` counts them (logged as ``data/skipped_files`` to the trainer's loggers);
     under ``"error"`` the first one stops the run. The headers stay in ``self.reader``, so the
     loaders read uncompressed pixels without parsing again; a file that still fails at decode
-    time (e.g. corrupt compressed data) is warned about and replaced by the next image.
+    time (e.g. corrupt compressed data, or a sample tensor that is not finite) is warned about and
+    replaced by the next image, and counted in ``skipped_files`` when it was loaded in this process
+    (loader workers warn about theirs; their count stays in the worker).
 
     Args:
         root: Class-folder root or a ``.csv`` manifest; None -> the embedded synthetic dataset.
@@ -150,7 +152,8 @@ class ImageData:
         self._unlabelled = scan(self.unlabelled_root, on_bad_file=on_bad_file, labels=False) if self.unlabelled_root else None
         self.class_names: list[str] = layout.class_names
         self.num_classes: int = len(layout.class_names)
-        self.skipped_files: int = len(layout.skipped or [])
+        self._skipped_at_setup: int = len(layout.skipped or [])
+        self.bad_paths: set[str] = set()  # files the datasets skipped at decode time in this process
         self._samples: list[Sample] | None = None
         self._skips_logged = False
 
@@ -171,11 +174,11 @@ class ImageData:
         if self._samples is not None:
             return self._samples
         kept, skipped = check_files(self._layout.samples, self.on_bad_file, inspect=self.reader.inspect)
-        self.skipped_files = len(self._layout.skipped or []) + len(skipped)
+        self._skipped_at_setup = len(self._layout.skipped or []) + len(skipped)
         extra: list[Sample] = []
         if self._unlabelled is not None:
             extra, extra_skipped = check_files(self._unlabelled.samples, self.on_bad_file, inspect=self.reader.inspect)
-            self.skipped_files += len(self._unlabelled.skipped or []) + len(extra_skipped)
+            self._skipped_at_setup += len(self._unlabelled.skipped or []) + len(extra_skipped)
             extra = _training_only(extra)
         samples = self._split(kept)
         if extra:
@@ -218,6 +221,11 @@ class ImageData:
         if not self._layout.has_split_column and self.val_fraction > 0:
             _check_validation(self.root, samples, self.val_fraction)
         return samples
+
+    @property
+    def skipped_files(self) -> int:
+        """Bad files left out: at setup (layout, headers, masks) and at decode time in this process."""
+        return self._skipped_at_setup + len(self.bad_paths)
 
     def samples(self, split: str) -> list[Sample]:
         """Samples of one split (``"train"``, ``"val"`` or ``"test"``) with their patient ids."""
@@ -265,7 +273,7 @@ class ImageData:
             samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, deterministic=not augmented,
+            memory=self.memory, deterministic=not augmented, bad_paths=self.bad_paths,
         )  # fmt: skip
 
     collate_fn = None  # (the dense data module's batches of targets)

@@ -227,10 +227,12 @@ class ImageReader:
         kind, plan = memo[2], memo[3]
         with file_errors(key, "cannot read image"):
             if plan is not None:
-                return read_native(key, plan, self.options.frames)
-            if kind == "dicom":
-                return read_dicom(key, self.options)
-            return finite(key, _read_raster(key, self.options))
+                image = read_native(key, plan, self.options.frames)
+            elif kind == "dicom":  # (inspect checked this version of the header)
+                image = read_dicom(key, self.options, header_checked=True)
+            else:
+                image = _read_raster(key, self.options)
+            return finite(key, image)  # the same last check as read_image's, whichever path read the pixels
 
 
 def _check_raster_header(path: str | os.PathLike) -> None:

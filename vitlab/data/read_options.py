@@ -24,6 +24,21 @@ WINDOW_PRESETS: dict[str, tuple[float, float]] = {
 }
 
 
+# Window widths whose float32 arithmetic stays finite: 1 / width and width / 2 must be normal float32 numbers
+# (a width of 1e-300 made 1 / width infinite and 0 x inf = NaN pixels); real windows are far inside.
+WINDOW_WIDTH_RANGE = (1e-30, 1e30)
+
+
+def window_width_problem(width: float) -> str | None:
+    """Why ``width`` cannot be a window width ("is not positive", "is outside ..."), or None when it can."""
+    if not width > 0:
+        return "is not positive"
+    low, high = WINDOW_WIDTH_RANGE
+    if not low <= width <= high:
+        return f"is outside the usable range {low:g} to {high:g}"
+    return None
+
+
 class ImageReadError(ValueError):
     """One image file cannot be read; the message names the file and the reason (one line)."""
 
@@ -63,6 +78,9 @@ class ReadOptions:
             )
         if self.window_width is not None and not self.window_width > 0:
             raise ValueError(f"window_width must be > 0, got {self.window_width}")
+        if self.window_width is not None and window_width_problem(self.window_width):
+            low, high = WINDOW_WIDTH_RANGE
+            raise ValueError(f"window_width must be between {low:g} and {high:g}, got {self.window_width}")
         if isinstance(self.window_index, bool) or not isinstance(self.window_index, int):
             raise ValueError(f"window_index must be an int, got {self.window_index!r}")
         if self.window_index < 0:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,11 +355,50 @@ def prepare_out(out: Path | None, subcommand: str, name: str, overwrite: bool) -
     return out
 
 
-def progress(iterable: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-    """A tqdm progress bar (to stderr) around a long loop."""
-    from tqdm.auto import tqdm
+_OPEN_BARS: list[Any] = []  # the one progress bar on screen (tqdm), while a loop shows it
 
-    yield from tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+def progress(iterable: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
+    """One progress bar (tqdm, to stderr) around a long loop, and none when stderr is not a terminal.
+
+    A loop inside a loop that shows the bar gets no bar of its own: its name and count go into the bar's postfix
+    (at most twice a second). Nested tqdm bars draw with cursor-movement escapes, which in a log file are
+    garbage lines; tqdm redraws fill a file with carriage returns, so a file gets no bar at all.
+    """
+    if _OPEN_BARS:
+        yield from _in_postfix(_OPEN_BARS[-1], iterable, desc, total)
+        return
+    if not _is_terminal(sys.stderr):
+        yield from iterable
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True, file=sys.stderr)
+    _OPEN_BARS.append(bar)
+    try:
+        yield from bar
+    finally:
+        _OPEN_BARS.remove(bar)
+        bar.close()
+
+
+def _in_postfix(bar: Any, iterable: Iterable[T], desc: str, total: int | None) -> Iterator[T]:
+    """The items of an inner loop, its progress written into the open ``bar``'s postfix."""
+    shown = 0.0
+    for count, item in enumerate(iterable, 1):
+        now = time.monotonic()
+        if now - shown >= 0.5:
+            bar.set_postfix_str(f"{desc} {count}/{total}" if total else f"{desc} {count}")
+            shown = now
+        yield item
+    bar.set_postfix_str("")
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 @dataclass
