@@ -11,7 +11,7 @@ import yaml
 
 pytest.importorskip("lightly")
 
-from tests.test_train_dense import SWIN  # noqa: E402
+from tests.training.test_dense import SWIN  # noqa: E402
 from vitlab.cli import TASKS, fit  # noqa: E402
 from vitlab.training import TaskModule  # noqa: E402
 from vitlab.training.arguments import OptimizerArgs  # noqa: E402
