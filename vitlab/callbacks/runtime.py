@@ -39,10 +39,11 @@ class RuntimeCallback(pl.Callback):
             return
         from vitlab.outputs.tensorboard import resume_step
 
-        if resume_step(trainer) > 0 and trainer.log_dir:  # a killed run's half-written snapshots and tables
+        run_dir = getattr(trainer.logger, "log_dir", None)  # (not trainer.log_dir: it broadcasts, and only rank 0 is here)
+        if resume_step(trainer) > 0 and run_dir:  # a killed run's half-written snapshots and tables
             from vitlab.outputs.files import remove_stale_temps
 
-            for path in remove_stale_temps(trainer.log_dir):
+            for path in remove_stale_temps(run_dir):
                 print(f"vitlab: removed {path}, left by the killed run")
         if self.figures != "off" and self.figure_worker is None:
             self.figure_worker = FigureWorker(process=self.figures == "auto")
