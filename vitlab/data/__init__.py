@@ -34,6 +34,7 @@ __all__ = [
     "cache_root",
     "embedded_dataset",
     "generate",
+    "generate_volumes",
     "modality_values",
     "read_image",
     "read_volume",
@@ -42,13 +43,14 @@ __all__ = [
 
 
 _LAZY = {"embedded_dataset": "synthetic", "generate": "synthetic", "ImageData": "image_data", "MedicalDataModule": "datamodule",
-         "DenseImageData": "dense_data", "DenseDataModule": "datamodule", "read_volume": "volume", "Volume": "volume"}
+         "DenseImageData": "dense_data", "DenseDataModule": "datamodule", "read_volume": "volume", "Volume": "volume",
+         "generate_volumes": "synthetic_volumes"}
 
 
 def __getattr__(name: str):
     """Load on first use: the data modules (Lightning, which probes do not import), the volume readers
-    and ``embedded_dataset`` / ``generate`` (importing them eagerly would make ``python -m
-    vitlab.data.synthetic`` load that module twice)."""
+    and ``embedded_dataset`` / ``generate`` / ``generate_volumes`` (importing them eagerly would make
+    ``python -m vitlab.data.synthetic`` load that module twice)."""
     if name in _LAZY:
         import importlib
 

@@ -256,15 +256,27 @@ def embedded_dataset(**kwargs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Command line: ``python -m vitlab.data.synthetic --out DIR [--seed ...]``."""
+    """Command line: ``python -m vitlab.data.synthetic --out DIR [--seed ...]``; ``--volumes`` writes the
+    synthetic volumes of :mod:`vitlab.data.synthetic_volumes` (NIfTI and DICOM series) instead of 2-D slices."""
+    from vitlab.data.synthetic_volumes import generate_volumes
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="destination folder (new or empty)")
-    defaults = inspect.signature(generate).parameters
+    parser.add_argument("--volumes", action="store_true", help="write 3-D volumes (NIfTI + DICOM series) instead")
+    slices_only, volumes_only = inspect.signature(generate).parameters, inspect.signature(generate_volumes).parameters
     for name in ("seed", "patients", "slices", "size", "difficulty"):
-        default = defaults[name].default
-        parser.add_argument(f"--{name}", type=type(default), default=default, help=f"default {default}")
+        slice_default, volume_default = slices_only[name].default, volumes_only[name].default
+        parser.add_argument(f"--{name}", type=type(slice_default), default=None,
+                            help=f"default {slice_default} ({volume_default} with --volumes)")  # fmt: skip
+    spacing = volumes_only["spacing"].default
+    parser.add_argument("--spacing", type=float, nargs=3, default=None, metavar=("COLUMNS", "ROWS", "SLICES"),
+                        help=f"voxel size in mm, with --volumes (default {' '.join(map(str, spacing))})")  # fmt: skip
     args = vars(parser.parse_args(argv))
-    manifest = generate(args.pop("out"), **args)
+    out, volumes = args.pop("out"), args.pop("volumes")
+    if args["spacing"] is not None and not volumes:
+        parser.error("--spacing applies to --volumes only")
+    given = {name: value for name, value in args.items() if value is not None}
+    manifest = generate_volumes(out, **given) if volumes else generate(out, **given)
     print(manifest)
     return manifest
 
