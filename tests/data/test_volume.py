@@ -15,6 +15,7 @@ import nibabel
 import numpy as np
 import pydicom
 import pytest
+from pydicom.data import get_testdata_file
 from pydicom.pixels import apply_modality_lut, get_encoder
 from pydicom.uid import JPEG2000Lossless, JPEGLSLossless, RLELossless
 
@@ -71,7 +72,7 @@ def planted_series(folder: Path, geometry: str, rescale=(0.5, -1000.0), **kwargs
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_planted_voxels_lie_at_inverse_affine_of_their_patient_position(tmp_path, geometry):
     slope, intercept = 0.5, -1000.0
-    _, planted, files = planted_series(tmp_path / "s", geometry, rescale=(slope, intercept), instance_numbers="reversed")
+    _, planted, _ = planted_series(tmp_path / "s", geometry, rescale=(slope, intercept), instance_numbers="reversed")
     volume = read_volume(tmp_path / "s")
     assert volume.array.shape == SHAPE and volume.array.dtype == np.float32 and volume.affine.dtype == np.float64
     inverse = np.linalg.inv(volume.affine)
@@ -408,6 +409,17 @@ def test_refuses_a_multiframe_file_without_frame_positions(tmp_path):
     del ds.PerFrameFunctionalGroupsSequence
     ds.save_as(path, enforce_file_format=True)
     assert_refused(path, r"multi-frame DICOM file without a PerFrameFunctionalGroupsSequence for its 3 frames")
+    truncated = write_enhanced(tmp_path / "t.dcm", stored, np.eye(4))
+    truncated.write_bytes(truncated.read_bytes()[:-50])
+    assert_refused(truncated, r"t\.dcm: truncated pixel data")  # the DICOM reader's refusal, as a VolumeError
+
+
+def test_refuses_pydicoms_rt_dose_and_single_ct_files():
+    rtdose, ct = (get_testdata_file(name, download=False) for name in ("rtdose.dcm", "CT_small.dcm"))
+    if rtdose is None or ct is None:
+        pytest.skip("pydicom's test files are not installed")
+    assert_refused(rtdose, r"without a PerFrameFunctionalGroupsSequence for its 15 frames \(not an enhanced image")
+    assert_refused(ct, r"one single-frame DICOM file is one slice, not a volume")
 
 
 def test_reading_and_refusing_write_nothing(tmp_path):

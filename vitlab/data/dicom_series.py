@@ -27,7 +27,7 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_modality_lut
 from pydicom.tag import Tag
 
-from vitlab.data.dicom import decode, dicom_header, native_plan, native_values, DicomHeader
+from vitlab.data.dicom import DicomHeader, decode, dicom_header, native_plan, native_values
 from vitlab.data.dicom_checks import numbers
 from vitlab.data.io import file_errors, image_kind
 from vitlab.data.read_options import ImageReadError, ReadOptions, VolumeError

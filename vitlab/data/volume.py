@@ -20,7 +20,7 @@ import numpy as np
 
 from vitlab.data.dicom_series import read_multiframe, read_series_folder
 from vitlab.data.io import file_errors, image_kind
-from vitlab.data.read_options import ImageNotFoundError, VolumeError
+from vitlab.data.read_options import ImageNotFoundError, ImageReadError, VolumeError
 
 __all__ = ["LPS_TO_RAS", "Volume", "VolumeError", "read_volume", "reorient"]
 
@@ -29,7 +29,7 @@ NIFTI_SUFFIXES = (".nii", ".nii.gz")
 _ACCEPTS = "read_volume reads a .nii/.nii.gz file, a folder holding a DICOM series or an enhanced multi-frame DICOM file"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (no field-wise ==: arrays do not compare to one bool)
 class Volume:
     """A 3-D image and where its voxels lie.
 
@@ -90,7 +90,15 @@ def read_volume(
     _check_orientation(orientation)
     if series_uid is not None and not isinstance(series_uid, str):
         raise ValueError(f"series_uid must be a SeriesInstanceUID string, got {series_uid!r}")
-    source = Path(path)
+    try:
+        return _read(Path(path), series_uid, orientation)
+    except (VolumeError, ImageNotFoundError):
+        raise
+    except ImageReadError as exc:  # a file-level refusal of the DICOM / NIfTI readers underneath: same line
+        raise VolumeError(str(exc)) from None
+
+
+def _read(source: Path, series_uid: str | None, orientation: str | None) -> Volume:
     if source.is_dir():
         dicom = read_series_folder(source, series_uid)
     elif not source.exists():
