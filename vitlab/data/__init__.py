@@ -13,6 +13,7 @@ from vitlab.data.io import (
     window_values,
 )
 from vitlab.data.layouts import Sample, SkippedFileWarning
+from vitlab.data.read_options import VolumeError
 
 __all__ = [
     "WINDOW_PRESETS",
@@ -28,22 +29,28 @@ __all__ = [
     "ReadOptions",
     "Sample",
     "SkippedFileWarning",
+    "Volume",
+    "VolumeError",
     "cache_root",
     "embedded_dataset",
     "generate",
+    "generate_volumes",
     "modality_values",
     "read_image",
+    "read_volume",
     "window_values",
 ]
 
 
 _LAZY = {"embedded_dataset": "synthetic", "generate": "synthetic", "ImageData": "image_data", "MedicalDataModule": "datamodule",
-         "DenseImageData": "dense_data", "DenseDataModule": "datamodule"}
+         "DenseImageData": "dense_data", "DenseDataModule": "datamodule", "read_volume": "volume", "Volume": "volume",
+         "generate_volumes": "synthetic_volumes"}
 
 
 def __getattr__(name: str):
-    """Load on first use: the data modules (Lightning, which probes do not import) and ``embedded_dataset`` /
-    ``generate`` (importing them eagerly would make ``python -m vitlab.data.synthetic`` load that module twice)."""
+    """Load on first use: the data modules (Lightning, which probes do not import), the volume readers
+    and ``embedded_dataset`` / ``generate`` / ``generate_volumes`` (importing them eagerly would make
+    ``python -m vitlab.data.synthetic`` load that module twice)."""
     if name in _LAZY:
         import importlib
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
 from pydicom.multival import MultiValue
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
-from pydicom.tag import Tag
+from pydicom.tag import BaseTag, Tag
 
 from vitlab.data import imagecodecs_plugin
 from vitlab.data.dicom_checks import (
@@ -110,14 +111,16 @@ def check_decodable(path: str | os.PathLike, ds: Dataset) -> None:
         raise ImageReadError(f"{path}: no decoder installed for {syntax.name!r}; pip install {packages}")
 
 
-def _read_without_preamble(path: str | os.PathLike, source: Any, *, stop_before_pixels: bool = False) -> Dataset:
+def _read_without_preamble(
+    path: str | os.PathLike, source: Any, *, stop_before_pixels: bool = False, tags: list[BaseTag] = _DICOM_TAGS
+) -> Dataset:
     """A file without 'DICM' preamble and file meta, read with ``force=True``, when it holds an image.
 
     Raises:
         ImageReadError: "not a DICOM file" when pydicom finds no image elements in it.
     """
     try:
-        ds = read_forced(source, stop_before_pixels=stop_before_pixels, specific_tags=_DICOM_TAGS)
+        ds = read_forced(source, stop_before_pixels=stop_before_pixels, specific_tags=tags)
     except Exception:  # noqa: BLE001 - any failure here means the file is not DICOM
         ds = None
     if ds is None or "Rows" not in ds or "Columns" not in ds or not (stop_before_pixels or has_image_elements(ds)):
@@ -160,32 +163,34 @@ class DicomHeader(NamedTuple):
     pixel: PixelElement | None  # its header as pydicom reads it (None: deflated, or not a pixel element header)
 
 
-def dicom_header(path: str | os.PathLike) -> DicomHeader:
+def dicom_header(path: str | os.PathLike, extra_tags: Sequence[BaseTag] = ()) -> DicomHeader:
     """Read a DICOM header (no pixel data) and check that the pixels can be decoded.
 
     Catches from the header alone: non-DICOM files, missing pixel data, missing decoder plugins,
     truncated uncompressed pixel data (fewer bytes left than rows x columns x frames needs) and a
     declared PixelData length that is too short or runs past the end of the file. :func:`read_dicom`
     and :class:`~vitlab.data.io.ImageReader` both start here, so they refuse the same files alike.
+    ``extra_tags`` are read into ``ds`` too (the volume reader's geometry), in the same pass.
 
     Raises:
         ImageReadError: The file is unusable, with the reason.
     """
     if not os.path.isfile(path):
         raise ImageNotFoundError(f"{path}: file not found")
+    tags = _DICOM_TAGS + list(extra_tags) if extra_tags else _DICOM_TAGS
     try:
         with open(path, "rb") as f:
             try:
-                ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=_DICOM_TAGS)
+                ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=tags)
             except InvalidDicomError:  # no preamble: an image only if pydicom finds one with force=True
                 f.seek(0)
-                ds = _read_without_preamble(path, f, stop_before_pixels=True)
+                ds = _read_without_preamble(path, f, stop_before_pixels=True, tags=tags)
             implicit_vr = read_as_implicit_vr(ds)
             pixel_offset = f.tell()
             head = f.read(12)
             file_size = os.fstat(f.fileno()).st_size
         if str(ds.file_meta.get("TransferSyntaxUID", "")) == _DEFLATED:  # offsets are in the inflated stream
-            ds = pydicom.dcmread(path, specific_tags=_DICOM_TAGS)
+            ds = pydicom.dcmread(path, specific_tags=tags)
             pixel_offset, head = (0, b"") if has_image_elements(ds) else (file_size, b"")
     except ImageReadError:
         raise
@@ -422,6 +427,16 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
 
     Not checked for non-finite values: :class:`~vitlab.data.io.ImageReader` checks every path's result alike.
     """
+    return _display(native_values(path, plan, frames), plan.window, plan.monochrome1, reuse=True)
+
+
+def native_values(path: str | os.PathLike, plan: NativePlan, frames: str | int) -> np.ndarray:
+    """The selected frame(s) after the modality rescale, with one ``np.fromfile`` (no window).
+
+    Equal to pydicom's ``apply_modality_lut`` of the decoded pixels: float32 where that is exact (integer
+    rescale of small integers), else float64 as pydicom computes it; the stored integers when the file has
+    no rescale.
+    """
     index = frame_index(path, frames, plan.frames)
     frame_values = plan.rows * plan.columns
     dtype = np.dtype(plan.dtype)
@@ -438,13 +453,13 @@ def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) ->
     if plan.unused_bits:
         np.left_shift(stored, plan.unused_bits, out=stored)
         np.right_shift(stored, plan.unused_bits, out=stored)
-    values = stored
-    if plan.rescale is not None:
-        slope, intercept = plan.rescale
-        # float32 is exact (hence identical to pydicom's float64) for integer rescale of small integers
-        largest = 2 ** (8 * dtype.itemsize) * abs(slope) + abs(intercept)
-        exact = slope.is_integer() and intercept.is_integer() and largest < 2**24
-        values = stored.astype(np.float32 if exact else np.float64)
-        values *= slope
-        values += intercept
-    return _display(values, plan.window, plan.monochrome1, reuse=True)
+    if plan.rescale is None:
+        return stored
+    slope, intercept = plan.rescale
+    # float32 is exact (hence identical to pydicom's float64) for integer rescale of small integers
+    largest = 2 ** (8 * dtype.itemsize) * abs(slope) + abs(intercept)
+    exact = slope.is_integer() and intercept.is_integer() and largest < 2**24
+    values = stored.astype(np.float32 if exact else np.float64)
+    values *= slope
+    values += intercept
+    return values

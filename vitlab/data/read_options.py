@@ -47,6 +47,11 @@ class ImageNotFoundError(ImageReadError, FileNotFoundError):
     """The image file does not exist."""
 
 
+class VolumeError(ImageReadError):
+    """A volume (NIfTI file, DICOM series folder, multi-frame DICOM file) cannot be read as one; the message
+    names the file or folder, what is wrong and what would be valid (one line)."""
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """How to turn a file into an array; validated on construction.

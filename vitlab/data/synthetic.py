@@ -32,28 +32,12 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import CTImageStorage, generate_uid
 
 from vitlab.data.cache import cache_root
+from vitlab.data.phantom import INTERCEPT_HU, LABELS, dicom_dataset, smooth_field, soft
 
 GENERATOR_VERSION = 3  # bump when the generated images change
-LABELS = ("lesion", "no_lesion")
-_INTERCEPT_HU = -1024.0
-
-
-def _smooth_field(rng: np.random.Generator, shape: tuple[int, ...], sigma_px: float) -> np.ndarray:
-    """Gaussian-filtered white noise (periodic, via FFT), scaled to unit std, float32."""
-    noise = rng.standard_normal(shape)
-    freqs = np.meshgrid(*[np.fft.fftfreq(n) for n in shape[:-1]], np.fft.rfftfreq(shape[-1]), indexing="ij")
-    gain = np.exp(-2.0 * (np.pi * sigma_px) ** 2 * sum(f**2 for f in freqs))
-    field = np.fft.irfftn(np.fft.rfftn(noise) * gain, s=shape, axes=tuple(range(len(shape))))
-    return (field / (field.std() + 1e-12)).astype(np.float32)
-
-
-def _soft(inside_distance: np.ndarray, edge_px: float) -> np.ndarray:
-    """Soft indicator: 1 inside, 0 outside, logistic edge of width ``edge_px``."""
-    return 1.0 / (1.0 + np.exp(-np.clip(inside_distance / edge_px, -30, 30)))
 
 
 def _ellipse_depth(
@@ -74,9 +58,9 @@ def _patient_volume(
     px = size / 128.0  # pixel scale relative to the default size
     y, x = np.mgrid[0:size, 0:size].astype(np.float32)
     shape = (slices, size, size)
-    tissue = 18.0 * _smooth_field(rng, shape, 10 * px) + 7.0 * _smooth_field(rng, shape, 2.5 * px)  # (K, S, S)
-    hetero = _smooth_field(rng, shape, 1.5 * px)
-    noise = _smooth_field(rng, shape, 0.6)
+    tissue = 18.0 * smooth_field(rng, shape, 10 * px) + 7.0 * smooth_field(rng, shape, 2.5 * px)  # (K, S, S)
+    hetero = smooth_field(rng, shape, 1.5 * px)
+    noise = smooth_field(rng, shape, 0.6)
     noise_hu = rng.uniform(8.0, 14.0)
 
     cx, cy = size / 2 + rng.normal(0, 0.03 * size), size / 2 + rng.normal(0, 0.03 * size)
@@ -99,15 +83,15 @@ def _patient_volume(
     for k in range(slices):
         dz = (k - (slices - 1) / 2) / slices
         body_depth = _ellipse_depth(x, y, cx, cy, ax * (1 + taper * dz), ay * (1 + taper * dz), tilt)
-        body = _soft(body_depth, 0.7)
-        fat = _soft(body_depth - 1.5 * px, 0.7) * (1 - _soft(body_depth - 1.5 * px - fat_px, 1.0))
+        body = soft(body_depth, 0.7)
+        fat = soft(body_depth - 1.5 * px, 0.7) * (1 - soft(body_depth - 1.5 * px - fat_px, 1.0))
         hu = 40.0 + tissue[k]
         ox, oy, oa, ob = organ
-        hu += organ_hu * _soft(_ellipse_depth(x, y, cx + ox, cy + oy, oa * ax, ob * ay, 0.3), 2.0 * px)
+        hu += organ_hu * soft(_ellipse_depth(x, y, cx + ox, cy + oy, oa * ax, ob * ay, 0.3), 2.0 * px)
         for vx, vy, vr, vhu, drift in vessels:
             vdepth = vr - np.hypot(x - cx - vx - drift[0] * k, y - cy - vy - drift[1] * k)
-            hu += vhu * _soft(vdepth, 0.5)
-        hu += 600.0 * _soft(spine[2] - np.hypot(x - spine[0], y - spine[1]), 0.8)
+            hu += vhu * soft(vdepth, 0.5)
+        hu += 600.0 * soft(spine[2] - np.hypot(x - spine[0], y - spine[1]), 0.8)
         for draw in lesions if has_lesion[k] else []:
             added, inside = _lesion_hu(x, y, k, draw, hetero[k])
             hu += added
@@ -157,23 +141,18 @@ def _lesion_hu(x: np.ndarray, y: np.ndarray, k: int, d: dict, hetero: np.ndarray
     a2, p2, a3, p3 = d["wobble"]
     outline = r_k * (1 + a2 * np.cos(2 * phi + p2) + a3 * np.cos(3 * phi + p3))
     inside = (dist < outline).astype(np.uint8)
-    mask = _soft(outline - dist, d["edge"])
+    mask = soft(outline - dist, d["edge"])
     if d["texture"] == "heterogeneous":
         mask = mask * np.clip(0.7 + 0.5 * hetero, 0.0, 1.6)
     elif d["texture"] == "rim":
-        mask = mask - 1.6 * _soft(0.5 * outline - dist, d["edge"] / 2)  # rim, opposite-sign core
+        mask = mask - 1.6 * soft(0.5 * outline - dist, d["edge"] / 2)  # rim, opposite-sign core
     return d["contrast"] * mask, inside
 
 
 def _write_slice(path: Path, hu: np.ndarray, seed: int, patient: int, k: int, size_mm: float) -> None:
     uid = lambda *parts: generate_uid(entropy_srcs=["vitlab-synthetic", str(seed), *map(str, parts)])  # noqa: E731
     sop_uid = uid(patient, k, "sop")
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = CTImageStorage, sop_uid
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, sop_uid
+    ds = dicom_dataset(CTImageStorage, sop_uid)
     ds.StudyInstanceUID, ds.SeriesInstanceUID = uid(patient, "study"), uid(patient, "series")
     ds.FrameOfReferenceUID = uid(patient, "frame")
     ds.PatientID, ds.PatientName = f"SYN{seed:03d}-{patient:04d}", f"Synthetic^{patient:04d}"
@@ -183,9 +162,9 @@ def _write_slice(path: Path, hu: np.ndarray, seed: int, patient: int, k: int, si
     ds.PixelSpacing, ds.SliceThickness = [spacing, spacing], 5.0
     ds.ImagePositionPatient = [-size_mm / 2, -size_mm / 2, 5.0 * k]
     ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
-    ds.RescaleIntercept, ds.RescaleSlope, ds.RescaleType = _INTERCEPT_HU, 1.0, "HU"
+    ds.RescaleIntercept, ds.RescaleSlope, ds.RescaleType = INTERCEPT_HU, 1.0, "HU"
     ds.WindowCenter, ds.WindowWidth = 40.0, 400.0
-    stored = np.clip(np.rint(hu - _INTERCEPT_HU), -32768, 32767).astype(np.int16)  # (S, S)
+    stored = np.clip(np.rint(hu - INTERCEPT_HU), -32768, 32767).astype(np.int16)  # (S, S)
     ds.set_pixel_data(stored, photometric_interpretation="MONOCHROME2", bits_stored=16, generate_instance_uid=False)
     ds.save_as(path, enforce_file_format=True)
 
@@ -277,15 +256,27 @@ def embedded_dataset(**kwargs) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Command line: ``python -m vitlab.data.synthetic --out DIR [--seed ...]``."""
+    """Command line: ``python -m vitlab.data.synthetic --out DIR [--seed ...]``; ``--volumes`` writes the
+    synthetic volumes of :mod:`vitlab.data.synthetic_volumes` (NIfTI and DICOM series) instead of 2-D slices."""
+    from vitlab.data.synthetic_volumes import generate_volumes
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="destination folder (new or empty)")
-    defaults = inspect.signature(generate).parameters
+    parser.add_argument("--volumes", action="store_true", help="write 3-D volumes (NIfTI + DICOM series) instead")
+    slices_only, volumes_only = inspect.signature(generate).parameters, inspect.signature(generate_volumes).parameters
     for name in ("seed", "patients", "slices", "size", "difficulty"):
-        default = defaults[name].default
-        parser.add_argument(f"--{name}", type=type(default), default=default, help=f"default {default}")
+        slice_default, volume_default = slices_only[name].default, volumes_only[name].default
+        parser.add_argument(f"--{name}", type=type(slice_default), default=None,
+                            help=f"default {slice_default} ({volume_default} with --volumes)")  # fmt: skip
+    spacing = volumes_only["spacing"].default
+    parser.add_argument("--spacing", type=float, nargs=3, default=None, metavar=("COLUMNS", "ROWS", "SLICES"),
+                        help=f"voxel size in mm, with --volumes (default {' '.join(map(str, spacing))})")  # fmt: skip
     args = vars(parser.parse_args(argv))
-    manifest = generate(args.pop("out"), **args)
+    out, volumes = args.pop("out"), args.pop("volumes")
+    if args["spacing"] is not None and not volumes:
+        parser.error("--spacing applies to --volumes only")
+    given = {name: value for name, value in args.items() if value is not None}
+    manifest = generate_volumes(out, **given) if volumes else generate(out, **given)
     print(manifest)
     return manifest
 
