@@ -11,7 +11,8 @@ from vitlab.cli import fit, train_main
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 DENSE = [c for c in CONFIGS if c.stem in ("quickstart_detection", "quickstart_segmentation")]  # need masks
-SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c not in DENSE and c.stem != "quickstart_pretrained"]
+VOLUMES = [c for c in CONFIGS if c.stem == "quickstart_slab"]  # need volumes
+SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c not in DENSE + VOLUMES and c.stem != "quickstart_pretrained"]
 
 
 def test_all_configs_listed():
@@ -44,6 +45,19 @@ def test_small_config_trains_one_step(config, tiny_dataset, tmp_path):
         from vitlab.models import ablation_state
 
         assert ablation_state(cli.model.model), "the config's ablation was not applied"
+
+
+@pytest.mark.parametrize("config", VOLUMES, ids=lambda c: c.stem)
+@pytest.mark.slow
+def test_volume_config_trains_one_step(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    cli = fit([
+        "--config", str(config), "--data.embedded_kwargs", '{"patients": 4, "slices": 3, "size": 64}',
+        "--runtime.workers", "0", "--data.batch_size", "4", "--data.val_fraction", "0.5",
+        "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ])
+    assert cli.trainer.global_step == 1 and cli.model.model.patch_embed.proj.in_channels == 5
 
 
 @pytest.mark.parametrize("config", DENSE, ids=lambda c: c.stem)

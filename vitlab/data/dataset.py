@@ -59,6 +59,8 @@ class MedicalImageDataset(Dataset):
             validation, test and probe pipelines), so whole items can be kept.
         bad_paths: The set that collects the files skipped at decode time (a data module shares one among its
             datasets to count them); None -> a new one.
+        volumes: Where slices and slabs of volume samples (``sample.slice`` set) come from
+            (:class:`vitlab.data.volume_data.VolumeStore`).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class MedicalImageDataset(Dataset):
         memory: MemoryCache | None = None,
         deterministic: bool = False,
         bad_paths: set[str] | None = None,
+        volumes=None,
     ) -> None:
         if read_options is not None and read_options.frames == "all":
             raise ValueError("frames='all' gives a volume per file; a 2-D dataset needs 'middle' or a frame index")
@@ -94,13 +97,18 @@ class MedicalImageDataset(Dataset):
         self.prescale_to = prescale_to
         self.memory = memory
         self.deterministic = deterministic
+        self.volumes = volumes
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def load_array(self, index: int) -> np.ndarray:
-        """Decoded, windowed float32 image in [0, 1], (H, W) or (H, W, 3), from the cache if enabled."""
-        path = self.samples[index].path
+        """Decoded, windowed float32 image in [0, 1], (H, W) or (H, W, 3), from the cache if enabled; the slice or
+        slab (H, W, C) of a volume sample, from ``volumes``."""
+        sample = self.samples[index]
+        if sample.slice is not None:
+            return self.volumes.image(sample)
+        path = sample.path
         if self.cache is None:
             return self.reader(path)
         return self.cache.load(path, lambda: self.reader(path))
@@ -132,7 +140,7 @@ class MedicalImageDataset(Dataset):
             ImageReadError: The file cannot be read, or the finished tensor is not finite.
         """
         path = self.samples[index].path
-        key = (self.deterministic, str(path))  # (one cache may serve several splits)
+        key = (self.deterministic, self.samples[index].key)  # (one cache may serve several splits)
         kept = self.memory.get(key) if self.memory is not None else None
         if kept is not None and self.deterministic:
             tensor, label = kept

@@ -38,6 +38,9 @@ def check_masks(samples: Sequence[Sample], num_classes: int, on_bad_file: str = 
     kept, skipped = [], []
     classes = list(mask_classes or [str(i) for i in range(1, num_classes + 1)])
     for sample in samples:
+        if sample.slice is not None:  # a volume's label map was read and checked with the volume
+            kept.append(sample)
+            continue
         try:
             if sample.boxes:
                 parse_boxes(sample, classes)
@@ -74,7 +77,9 @@ class DenseDataset(MedicalImageDataset):
         sample = self.samples[index]
         image = self.load_array(index)
         mask = None
-        if sample.mask is not None or sample.boxes is None:
+        if sample.slice is not None:  # a slice / slab of a volume: the label map resliced with it
+            mask = self.volumes.mask(sample, self.num_mask_classes)
+        elif sample.mask is not None or sample.boxes is None:
             mask = read_mask(sample, self.num_mask_classes)
             if mask.shape != image.shape[:2]:
                 raise MaskError(f"mask {sample.mask} of image {sample.path}: size {mask.shape[1]}x{mask.shape[0]} "
@@ -86,7 +91,7 @@ class DenseDataset(MedicalImageDataset):
         """:meth:`_pair` through the memory cache (decoded pairs; copies: a transform may change them)."""
         if self.memory is None:
             return self._pair(index)
-        key = ("pair", str(self.samples[index].path))
+        key = ("pair", self.samples[index].key)
         kept = self.memory.get(key)
         if kept is None:
             kept = self._pair(index)

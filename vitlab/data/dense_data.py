@@ -32,12 +32,16 @@ class DenseImageData(ImageData):
             manifest, mask_classes = scan_coco(coco_json, mask_dir=coco_mask_dir)
             kwargs["root"] = str(manifest)
         super().__init__(*args, **kwargs)
+        if self.volume_options is not None and self.volume_options.sample == "volume":
+            raise ValueError("data.sample volume gives whole volumes; 2-D detection / segmentation train on slice or slab")
         self.mask_classes = list(mask_classes or ["lesion"])
         if not self.mask_classes:
             raise ValueError("mask_classes must name at least one foreground class")
         self.num_mask_classes = len(self.mask_classes)
         self.collate_fn = dense_collate
         self.arguments.update(mask_classes=self.mask_classes, coco_json=coco_json, coco_mask_dir=coco_mask_dir)
+
+    needs_masks = True  # (volumes: each needs its label map)
 
     def _prepare(self) -> list[Sample]:
         if self._samples is not None:
@@ -54,5 +58,5 @@ class DenseImageData(ImageData):
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, bad_paths=self.bad_paths,
+            memory=self.memory, bad_paths=self.bad_paths, volumes=self.volumes,
         )  # fmt: skip

@@ -4,6 +4,7 @@ LightningDataModule over it, :class:`vitlab.data.datamodule.MedicalDataModule`).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -17,9 +18,10 @@ from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset
 from vitlab.data.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.io import ImageReader, ReadOptions
-from vitlab.data.layouts import SPLITS, UNLABELLED, Sample, check_files, patient_overlap, scan, split_by_patient
+from vitlab.data.layouts import SPLITS, UNLABELLED, Layout, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.sampling import EpochSampler, KeyedAugmentation
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
+from vitlab.data.volume_data import MASK_CLASSES, VolumeDataset, VolumeOptions, VolumeStore, check_volumes, scan_volumes
 
 
 class ImageData:
@@ -75,6 +77,24 @@ class ImageData:
             All of them train (no labels to validate with: ``val_fraction`` / ``test_fraction`` are unused), unless
             the manifest has a ``split`` column: then only its ``train`` rows do, and its val / test rows are left
             out (test patients stay out of pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
+        sample: ``"image"``: 2-D image files. ``"slice"`` / ``"slab"`` / ``"volume"``: the items of ``root`` are volumes
+            (NIfTI files, DICOM series folders, enhanced multi-frame files; see :mod:`vitlab.data.volume_data`) and
+            the samples are their slices, their 2.5-D slabs (``2 * slab_radius + 1`` slices as channels: ``in_chans``
+            follows) or the whole volumes. ``root`` None -> the embedded synthetic volumes.
+        slab_radius: Slices each side of the centre in a slab.
+        slice_labels: ``"volume"``: a slice has its volume's label; ``"mask"``: ``present`` when the slice holds at
+            least ``min_mask_voxels`` voxels of the volume's label map, else ``absent`` (``classes`` renames them,
+            negative first).
+        min_mask_voxels: See ``slice_labels`` (a lesion's tip of a few voxels is hard to call in either class).
+        intensity: How volume values become model values: ``"window"`` (``window`` / ``window_center`` +
+            ``window_width`` on HU; none given: the volume's min-max), ``"percentile"`` (0.5-99.5 percentiles of
+            the non-zero voxels to [0, 1], for MRI) or ``"zscore"`` (mean / std of the non-zero voxels).
+        volumes_in_memory: Prepared volumes each loader process keeps at once (slices and slabs); the training
+            order visits the volumes this many at a time, so each is read once per epoch and process.
+        spacing: ``sample: volume``: voxel size in mm (along i, j, k) every volume is resampled to (trilinear); None
+            keeps each volume's own.
+        volume_size: ``sample: volume``: voxels along i, j, k after a centred crop / pad (required: a batch stacks
+            volumes of one shape).
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
             a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
@@ -108,6 +128,14 @@ class ImageData:
         classes: list[str] | None = None,
         labels: bool = True,
         unlabelled_root: str | None = None,
+        sample: Literal["image", "slice", "slab", "volume"] = "image",
+        slab_radius: int = 1,
+        slice_labels: Literal["volume", "mask"] = "volume",
+        intensity: Literal["window", "percentile", "zscore"] = "window",
+        min_mask_voxels: int = 1,
+        volumes_in_memory: int = 4,
+        spacing: list[float] | None = None,
+        volume_size: list[int] | None = None,
     ) -> None:
         embedded = embedded_options(embedded_kwargs)
         embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
@@ -129,6 +157,26 @@ class ImageData:
             raise ValueError("frames='all' gives a volume per file; the DataModule needs 'middle' or a frame index")
         self.read_options = ReadOptions(window, window_center, window_width, window_index, frames)
         self.reader = ImageReader(self.read_options)  # remembers headers from setup's check for the loaders
+        self.volume_options = self.volumes = None
+        if sample != "image":
+            self.volume_options = VolumeOptions(sample, slab_radius, slice_labels, intensity, min_mask_voxels)
+            self.volumes = VolumeStore(self.volume_options, self.read_options, volumes_in_memory)
+            channels = self.volume_options.channels
+            if in_chans not in (1, channels):
+                raise ValueError(f"data.in_chans {in_chans} does not match data.sample {sample!r} (slab_radius {slab_radius}): "
+                                 f"its samples have {channels} channel(s); leave in_chans at 1")
+            in_chans = channels
+            if sample == "volume" and not (volume_size and len(volume_size) == 3 and all(int(n) > 0 for n in volume_size)):
+                raise ValueError(f"data.sample volume needs data.volume_size: 3 positive voxel counts (i, j, k), got {volume_size!r}")
+            if spacing is not None and not (len(spacing) == 3 and all(float(s) > 0 for s in spacing)):
+                raise ValueError(f"data.spacing must be 3 positive numbers (mm along i, j, k) or null, got {spacing!r}")
+            if unlabelled_root:
+                raise ValueError("data.unlabelled_root is not read with data.sample slice / slab / volume; "
+                                 "give the unlabelled volumes as root with data.labels false")
+        elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None:
+            raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size apply to volumes: "
+                             "set data.sample to slice, slab or volume")
+        self.spacing, self.volume_size = spacing, volume_size
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
         self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
@@ -140,13 +188,16 @@ class ImageData:
         self.eval_transform = eval_transform(image_size, self.mean, self.std)
 
         if root is None:
-            from vitlab.data.synthetic import embedded_dataset  # lazy: see vitlab.data.__getattr__
+            from vitlab.data.synthetic import embedded_dataset, embedded_volumes  # lazy: see vitlab.data.__getattr__
 
-            self.root = embedded_dataset(**embedded_kwargs)
+            self.root = (embedded_dataset if sample == "image" else embedded_volumes)(**embedded_kwargs)
         else:
             self.root = Path(root).expanduser()
         self.labelled = bool(labels)
-        layout = scan(self.root, classes=classes, on_bad_file=on_bad_file, labels=self.labelled)
+        if self.volume_options is None:
+            layout = scan(self.root, classes=classes, on_bad_file=on_bad_file, labels=self.labelled)
+        else:
+            layout = self._scan_volumes(classes)
         self._layout = layout
         self.unlabelled_root = Path(unlabelled_root).expanduser() if unlabelled_root else None
         self._unlabelled = scan(self.unlabelled_root, on_bad_file=on_bad_file, labels=False) if self.unlabelled_root else None
@@ -168,16 +219,50 @@ class ImageData:
             options_key = repr(dataclasses.astuple(self.read_options))
             self.array_cache = ArrayCache(folder, options_key)
 
+    def _scan_volumes(self, classes: list[str] | None) -> Layout:
+        """The layout of volumes; with ``slice_labels: mask`` the classes are the mask's absent / present."""
+        by_mask = self.volume_options.slice_labels == "mask"
+        if not self.root.exists():
+            raise FileNotFoundError(f"data root {self.root} does not exist (a folder of volumes or a .csv manifest)")
+        if by_mask and not self.labelled:
+            raise ValueError("data.slice_labels: mask labels slices; unlabelled volumes (data.labels false) have none")
+        layout = scan_volumes(self.root, labels=self.labelled and not by_mask, on_bad_file=self.on_bad_file)
+        if by_mask:
+            if classes is not None and len(classes) != 2:
+                raise ValueError(f"data.classes {classes}: slice_labels mask has two classes, [absent, present] in that order")
+            layout.class_names = list(classes or MASK_CLASSES)
+        elif self.labelled:
+            found = sorted({s.label for s in layout.samples})
+            unknown = [c for c in found if classes is not None and c not in classes]
+            if unknown:
+                raise ValueError(f"{self.root}: label(s) {unknown} are not among the classes {list(classes)}")
+            layout.class_names = list(classes) if classes is not None else found
+            if len(layout.class_names) < 2:
+                raise ValueError(f"{self.root}: found {len(layout.class_names)} class(es) {layout.class_names} of volumes; "
+                                 "need at least two (or data.slice_labels: mask, or data.labels false)")
+        return layout
+
+    def _check(self, samples: list[Sample]) -> tuple[list[Sample], list[str]]:
+        """Header-check image files, or read every volume once and expand it into its samples."""
+        if self.volume_options is None:
+            return check_files(samples, self.on_bad_file, inspect=self.reader.inspect)
+        kept, skipped = check_volumes(samples, self.volume_options, self.on_bad_file, needs_mask=self.needs_masks)
+        if self.volume_options.slice_labels == "mask":  # absent / present -> the class names chosen
+            kept = [replace(s, label=self.class_names[MASK_CLASSES.index(s.label)]) for s in kept]
+        return kept, skipped
+
+    needs_masks = False  # (dense tasks: every volume needs its label map)
+
     # ------------------------------------------------------------------ splits
     def _prepare(self) -> list[Sample]:
         """Header-check the files and assign splits (once)."""
         if self._samples is not None:
             return self._samples
-        kept, skipped = check_files(self._layout.samples, self.on_bad_file, inspect=self.reader.inspect)
+        kept, skipped = self._check(self._layout.samples)
         self._skipped_at_setup = len(self._layout.skipped or []) + len(skipped)
         extra: list[Sample] = []
         if self._unlabelled is not None:
-            extra, extra_skipped = check_files(self._unlabelled.samples, self.on_bad_file, inspect=self.reader.inspect)
+            extra, extra_skipped = self._check(self._unlabelled.samples)
             self._skipped_at_setup += len(self._unlabelled.skipped or []) + len(extra_skipped)
             extra = _training_only(extra)
         samples = self._split(kept)
@@ -269,11 +354,14 @@ class ImageData:
         samples = self.samples(split)
         if labelled_only:
             samples = [s for s in samples if s.label != UNLABELLED]
+        if self.volume_options is not None and self.volume_options.sample == "volume":
+            return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
+                                 self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths)
         return MedicalImageDataset(
             samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, deterministic=not augmented, bad_paths=self.bad_paths,
+            memory=self.memory, deterministic=not augmented, bad_paths=self.bad_paths, volumes=self.volumes,
         )  # fmt: skip
 
     collate_fn = None  # (the dense data module's batches of targets)
@@ -285,7 +373,9 @@ class ImageData:
         sampler = None
         if train:
             epoch_of = lambda: self.trainer.current_epoch if self.trainer is not None else None  # noqa: E731
-            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, epoch_of=epoch_of)
+            groups = None if self.volumes is None else [(s.path, s.series_uid) for s in dataset.samples]
+            block = 0 if self.volumes is None else self.volumes.capacity
+            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, epoch_of=epoch_of, groups=groups, block=block)
             dataset = KeyedAugmentation(dataset, self.seed)
         workers = self.num_workers
         if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever

@@ -59,6 +59,9 @@ class Sample:
         mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.dense`), or None.
         boxes: The manifest's ``boxes`` cell (``"x0 y0 x1 y1 label;..."``, see :func:`vitlab.data.dense.parse_boxes`;
             ``""`` for an empty cell), or None without a ``boxes`` column.
+        series_uid: The series of a DICOM folder that holds several (volumes, see :mod:`vitlab.data.volume_data`).
+        slice: Index k of the slice (or the slab's centre) in the volume ``path``; None for a 2-D image or a whole
+            volume.
     """
 
     path: Path
@@ -67,6 +70,14 @@ class Sample:
     split: str | None = None
     mask: Path | None = None
     boxes: str | None = None
+    series_uid: str | None = None
+    slice: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Names this sample among all others: the path, with the series and the slice of a volume."""
+        series = f"#{self.series_uid}" if self.series_uid else ""
+        return f"{self.path}{series}" if self.slice is None else f"{self.path}{series}@{self.slice}"
 
 
 @dataclass
@@ -178,7 +189,16 @@ def _parallel_mask(masks: Path, root: Path, image: Path) -> Path | None:
     return stem.with_suffix(".png").resolve()
 
 
-def _read_manifest(manifest: Path, on_bad_file: str, labels: bool = True) -> Layout:
+def _image_problem(path: Path) -> str | None:
+    """Why ``path`` is not a 2-D image file vitlab reads (None: it is one)."""
+    if not path.is_file():
+        return "does not exist"
+    return None if image_kind(path) is not None else f"is not a supported image ({SUPPORTED_TYPES})"
+
+
+def _read_manifest(
+    manifest: Path, on_bad_file: str, labels: bool = True, problem: Callable[[Path], str | None] = _image_problem
+) -> Layout:
     try:
         with open(manifest, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.reader(f))
@@ -212,9 +232,9 @@ def _read_manifest(manifest: Path, on_bad_file: str, labels: bool = True) -> Lay
         if split is not None and split not in SPLITS:
             raise ValueError(f"manifest {manifest} line {line}: split {split!r} is not one of {list(SPLITS)}")
         path = (manifest.parent / cell["path"]).resolve()
-        if not path.is_file() or image_kind(path) is None:
-            reason = "does not exist" if not path.is_file() else f"is not a supported image ({SUPPORTED_TYPES})"
-            error_type = FileNotFoundError if not path.is_file() else ImageReadError
+        reason = problem(path)
+        if reason is not None:
+            error_type = FileNotFoundError if not path.exists() else ImageReadError
             skip_or_raise(error_type(f"manifest {manifest} line {line}: {path} {reason}"), on_bad_file, skipped)
             continue
         mask = (manifest.parent / cell["mask"]).resolve() if cell.get("mask") else None

@@ -10,7 +10,7 @@ run resumed at epoch k shuffles and augments epoch k as an uninterrupted run doe
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -32,11 +32,24 @@ class EpochSampler(Sampler):
         shuffle: A new order each epoch; else 0..size-1.
         epoch_of: Returns the epoch being loaded (the trainer's ``current_epoch``), or None; then the sampler
             counts its own iterations (a loader used outside a trainer).
+        groups: With ``block``: the group (volume) of each sample. The groups are shuffled and visited ``block`` at
+            a time, the samples of a block shuffled together, so a loader process that keeps ``block`` groups in
+            memory reads each group once per epoch (slices and slabs of volumes, see :mod:`vitlab.data.volume_data`).
+        block: Groups per block (0: no blocks, one shuffle over all samples).
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True, epoch_of: Callable[[], int | None] | None = None) -> None:
+    def __init__(self, size: int, seed: int, shuffle: bool = True, epoch_of: Callable[[], int | None] | None = None,
+                 groups: Sequence[object] | None = None, block: int = 0) -> None:
         self.size, self.seed, self.shuffle, self.epoch_of = size, seed, shuffle, epoch_of
         self._iterations = 0
+        self.members: list[list[int]] | None = None
+        if groups is not None and block:
+            if len(groups) != size:
+                raise ValueError(f"groups has {len(groups)} entries for {size} samples")
+            first: dict[object, list[int]] = {}
+            for index, group in enumerate(groups):
+                first.setdefault(group, []).append(index)
+            self.members, self.block = list(first.values()), block
 
     def __len__(self) -> int:
         return self.size
@@ -46,8 +59,15 @@ class EpochSampler(Sampler):
         if epoch is None:
             epoch = self._iterations
         self._iterations += 1
-        if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(mixed_seed(self.seed, epoch))).tolist()
+        generator = torch.Generator().manual_seed(mixed_seed(self.seed, epoch))
+        if self.shuffle and self.members is not None:
+            groups = [self.members[g] for g in torch.randperm(len(self.members), generator=generator).tolist()]
+            order = []
+            for start in range(0, len(groups), self.block):
+                block = [index for group in groups[start : start + self.block] for index in group]
+                order += [block[i] for i in torch.randperm(len(block), generator=generator).tolist()]
+        elif self.shuffle:
+            order = torch.randperm(self.size, generator=generator).tolist()
         else:
             order = range(self.size)
         return iter([(index, epoch) for index in order])

@@ -231,21 +231,35 @@ def embedded_dataset(**kwargs) -> Path:
     Raises:
         ValueError: An argument :func:`generate` does not take.
     """
-    params = dict(inspect.signature(generate).parameters)
+    return _generated_once(generate, GENERATOR_VERSION, "embedded", kwargs)
+
+
+def embedded_volumes(**kwargs) -> Path:
+    """Manifest (NIfTI volumes with label maps) of the synthetic volumes for these
+    :func:`~vitlab.data.synthetic_volumes.generate_volumes` arguments, generated once as :func:`embedded_dataset`
+    (``embedded-volumes-<hash>/``; its ``manifest_dicom.csv`` lists the same patients as DICOM series)."""
+    from vitlab.data.synthetic_volumes import VOLUME_GENERATOR_VERSION, generate_volumes
+
+    return _generated_once(generate_volumes, VOLUME_GENERATOR_VERSION, "embedded-volumes", kwargs)
+
+
+def _generated_once(generator, version: int, prefix: str, kwargs: dict) -> Path:
+    params = dict(inspect.signature(generator).parameters)
     params.pop("out")
     unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise ValueError(f"unknown embedded dataset argument(s) {unknown}; valid: {', '.join(params)}")
     values = {name: kwargs.get(name, p.default) for name, p in params.items()}
-    key = json.dumps({"version": GENERATOR_VERSION, **values}, sort_keys=True)
+    values = {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
+    key = json.dumps({"version": version, **values}, sort_keys=True)
     root = cache_root()
-    final = root / f"embedded-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    final = root / f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (final / "manifest.csv").is_file():
         return final / "manifest.csv"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        generate(tmp, **values)
+        generator(tmp, **values)
         os.rename(tmp, final)
     except OSError:
         if not (final / "manifest.csv").is_file():  # not a lost race: a real failure

@@ -60,18 +60,19 @@ def normalization_stats(
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std: given ones (a single value is repeated), else ImageNet's.
 
-    ImageNet statistics are averaged to one value for ``in_chans == 1``.
+    ImageNet statistics are averaged to one value for any ``in_chans`` but 3 (1: grayscale; 2r + 1: the slices of
+    a slab, each a grayscale image).
 
     Raises:
         ValueError: A length that is neither 1 nor ``in_chans``, or a std that is not positive.
     """
-    if in_chans not in (1, 3):
-        raise ValueError(f"in_chans must be 1 (grayscale) or 3 (colour), got {in_chans}")
+    if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans < 1:
+        raise ValueError(f"in_chans must be 1 (grayscale), 3 (colour) or a slab's 2r + 1, got {in_chans}")
     defaults = (IMAGENET_MEAN, IMAGENET_STD)
     stats = []
     for name, given, default in (("mean", mean, defaults[0]), ("std", std, defaults[1])):
         if given is None:
-            values = tuple(default) if in_chans == 3 else (float(np.mean(default)),)
+            values = tuple(default) if in_chans == 3 else (float(np.mean(default)),) * in_chans
         elif len(given) in (1, in_chans):
             values = tuple(float(v) for v in given) * (in_chans // len(given))
         else:

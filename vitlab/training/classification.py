@@ -32,6 +32,9 @@ class ClassificationModule(TaskModule):
         num_classes: Number of classes (linked from the data module by the CLI).
         label_smoothing: Cross-entropy label smoothing.
         class_names: Class names for the confusion matrix (linked from the data module).
+        class_weights: Cross-entropy weight per class in the training loss (e.g. ``[1, 5]`` when the second class is
+            five times rarer, as lesion slices are among a volume's slices); None: equal weights. Validation and test
+            losses stay unweighted.
         **kwargs: The backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule`
             (``model_name``, ``weights``, ``lr``, ``layer_decay`` ...).
     """
@@ -41,6 +44,7 @@ class ClassificationModule(TaskModule):
         num_classes: int = 2,
         label_smoothing: float = 0.0,
         class_names: list[str] | None = None,
+        class_weights: list[float] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -49,6 +53,10 @@ class ClassificationModule(TaskModule):
             raise ValueError(f"model.num_classes must be >= 2, got {num_classes}{hint}")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        if class_weights is not None and (len(class_weights) != num_classes or not all(w > 0 for w in class_weights)):
+            raise ValueError(f"model.class_weights must give {num_classes} positive numbers (one per class), got {class_weights}")
+        self.register_buffer("class_weights", None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32),
+                             persistent=False)
         backbone = self.backbone_args
         self.model = models.build_model(backbone.model_name, num_classes=num_classes, in_chans=backbone.in_chans,
                                         pretrained=backbone.pretrained, weights=backbone.weights,
@@ -76,7 +84,9 @@ class ClassificationModule(TaskModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images, labels = batch  # (B, C, H, W), (B,)
         logits = self(images)  # (B, K)
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing if stage == "train" else 0.0)
+        train = stage == "train"
+        loss = F.cross_entropy(logits, labels, weight=self.class_weights if train else None,
+                               label_smoothing=self.hparams.label_smoothing if train else 0.0)
         probs = logits.detach().float().softmax(dim=-1)
         metrics.update(probs, labels)
         on_step = stage == "train"

@@ -1,0 +1,244 @@
+"""Volumes as training data (SPEC §11): slices and slabs against the arrays they come from, labels from masks,
+patient-grouped splits, the bounded volume store, refusals and skip mode, whole volumes."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import shutil
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from vitlab.data.image_data import ImageData
+from vitlab.data.layouts import Sample
+from vitlab.data.read_options import ReadOptions, VolumeError
+from vitlab.data.sampling import EpochSampler
+from vitlab.data.synthetic_volumes import generate_volumes
+from vitlab.data.volume_data import VolumeOptions, VolumeStore
+
+AFFINE = np.array([[0.8, 0.1, 0, -20], [0, 0.7, 0.2, 5], [0, 0, 2.5, 30], [0, 0, 0, 1]])  # non-diagonal
+
+
+def nifti(path: Path, array: np.ndarray, affine: np.ndarray = AFFINE) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(np.asarray(array, dtype=np.float32), affine), path)
+    return path
+
+
+def lesion_volume(rng, shape=(16, 16, 8), present=(2, 3)) -> tuple[np.ndarray, np.ndarray]:
+    array = rng.uniform(0, 1000, shape).astype(np.float32)
+    mask = np.zeros(shape, np.uint8)
+    for k in present:
+        mask[4:7, 5:9, k] = 1
+    return array, mask
+
+
+def manifest(root: Path, rows: list[dict]) -> Path:
+    path = root / "manifest.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def windowed(array: np.ndarray) -> np.ndarray:
+    """The window centre 500 / width 1000 by hand: x / 1000 clipped to [0, 1]."""
+    return np.clip(array / 1000.0, 0.0, 1.0)
+
+
+def test_slab_channels_are_the_neighbouring_slices_with_ends_repeated(tmp_path):
+    rng = np.random.default_rng(0)
+    array = rng.uniform(-100, 1100, (16, 12, 6)).astype(np.float32)
+    path = nifti(tmp_path / "v.nii.gz", array)
+    store = VolumeStore(VolumeOptions("slab", 2), ReadOptions(window_center=500, window_width=1000), capacity=1)
+    for k in range(6):
+        slab = store.image(Sample(path, "a", slice=k))  # (J, I, 5)
+        assert slab.shape == (12, 16, 5)
+        for c, kk in enumerate(range(k - 2, k + 3)):
+            np.testing.assert_allclose(slab[:, :, c], windowed(array[:, :, min(max(kk, 0), 5)]).T, atol=1e-6)
+    assert store.decodes == 1  # one volume read for every slab
+    single = VolumeStore(VolumeOptions("slice"), ReadOptions(window_center=500, window_width=1000)).image(Sample(path, "a", slice=3))
+    np.testing.assert_allclose(single[:, :, 0], windowed(array[:, :, 3]).T, atol=1e-6)
+
+
+def test_slabs_through_the_data_module_labels_from_masks_and_patient_split(tmp_path):
+    rng = np.random.default_rng(1)
+    rows, arrays = [], {}
+    for p in range(8):
+        for visit in range(2):  # two volumes per patient: both must land in one split
+            array, mask = lesion_volume(rng, present=(2, 3) if p % 2 == 0 else ())
+            name = f"p{p}_{visit}"
+            nifti(tmp_path / f"{name}.nii.gz", array)
+            nifti(tmp_path / f"{name}_mask.nii.gz", mask)
+            arrays[name] = array
+            rows.append({"path": f"{name}.nii.gz", "mask": f"{name}_mask.nii.gz", "label": "x", "patient_id": f"P{p}"})
+    data = ImageData(str(manifest(tmp_path, rows)), image_size=16, sample="slab", slab_radius=1, slice_labels="mask",
+                     classes=["no_lesion", "lesion"], window_center=500, window_width=1000, mean=[0.5], std=[0.25],
+                     augment="none", val_fraction=0.25, batch_size=4)
+    assert data.in_chans == 3 and data.class_names == ["no_lesion", "lesion"]
+    data.setup()
+    splits = {}
+    for split in ("train", "val"):
+        for s in data.samples(split):
+            splits.setdefault(s.patient_id, set()).add(split)
+            assert s.label == ("lesion" if s.patient_id in ("P0", "P2", "P4", "P6") and s.slice in (2, 3) else "no_lesion")
+    assert all(len(v) == 1 for v in splits.values()) and len(splits) == 8
+    assert sum(len(data.samples(s)) for s in ("train", "val")) == 16 * 8
+    dataset = data.dataset("val")
+    for index in (0, 5, 7):
+        sample = dataset.samples[index]
+        tensor, label = dataset[index]
+        array = arrays[sample.path.name.split(".")[0]]
+        for c, kk in enumerate(range(sample.slice - 1, sample.slice + 2)):
+            expected = (windowed(array[:, :, min(max(kk, 0), 7)]).T - 0.5) / 0.25
+            np.testing.assert_allclose(tensor[c].numpy(), expected, atol=1e-5)
+        assert label == data.class_names.index(sample.label)
+
+
+def test_the_store_holds_a_bounded_number_of_volumes_and_reads_each_once_per_epoch(tmp_path):
+    rng = np.random.default_rng(2)
+    for c in ("a", "b"):
+        for p in range(6):
+            nifti(tmp_path / c / f"{p}.nii.gz", rng.uniform(0, 1000, (16, 16, 5)))
+    data = ImageData(str(tmp_path), image_size=16, sample="slice", volumes_in_memory=2, memory_cache_mb=0,
+                     augment="light", val_fraction=0.25, batch_size=4)
+    data.setup()
+    train_volumes = {s.path for s in data.samples("train")}
+    loader = data.train_dataloader()
+    for epoch in range(2):
+        labels = [int(y) for _, ys in loader for y in ys]
+        assert len(labels) == 5 * len(train_volumes)
+        assert data.volumes.decodes == (epoch + 1) * len(train_volumes)  # once per epoch, whatever the order
+    assert data.volumes.most_held == 2
+    # without blocks a shuffled slice order would reread volumes: the bound is what the block order buys
+    unordered = VolumeStore(data.volume_options, data.read_options, capacity=2)
+    samples = data.samples("train")
+    for i in torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist():
+        unordered.image(samples[i])
+    assert unordered.decodes > 2 * len(train_volumes)
+
+
+def test_block_order_is_a_seeded_permutation_visiting_groups_block_by_block():
+    groups = [g for g in range(7) for _ in range(3 + g % 2)]
+    sampler = EpochSampler(len(groups), seed=3, groups=groups, block=2, epoch_of=lambda: 0)
+    order = [i for i, _ in sampler]
+    assert sorted(order) == list(range(len(groups))) and order == [i for i, _ in sampler]
+    held, loads = [], 0  # a store of 2 groups, least recently used out, reads each group once
+    for i in order:
+        if groups[i] in held:
+            held.remove(groups[i])
+        else:
+            loads += 1
+            held = held[-1:]
+        held.append(groups[i])
+    assert loads == 7
+    plain = EpochSampler(len(groups), seed=3, epoch_of=lambda: 0)  # (without groups: one shuffle, many more loads)
+    assert sorted(i for i, _ in plain) == list(range(len(groups)))
+    other = EpochSampler(len(groups), seed=3, groups=groups, block=2, epoch_of=lambda: 1)
+    assert [i for i, _ in other] != order
+
+
+def test_dicom_series_and_nifti_twins_give_the_same_slabs(tmp_path):
+    csv_path = generate_volumes(tmp_path / "v", patients=4, size=16, slices=5, seed=4)
+    kwargs = dict(image_size=16, sample="slab", slab_radius=1, window="soft_tissue", augment="none", val_fraction=0.5, batch_size=4)
+    from_nifti = ImageData(str(csv_path), **kwargs)
+    from_dicom = ImageData(str(csv_path.parent / "manifest_dicom.csv"), **kwargs)
+    for split in ("train", "val"):
+        a, b = from_nifti.dataset(split), from_dicom.dataset(split)
+        assert [(s.patient_id, s.slice, s.label) for s in a.samples] == [(s.patient_id, s.slice, s.label) for s in b.samples]
+        for i in range(0, len(a), 3):
+            torch.testing.assert_close(a[i][0], b[i][0], atol=1e-5, rtol=0)
+    # class folders of series: root/<class>/<patient>/ holds DICOM files; the patient id is the DICOM PatientID
+    root = tmp_path / "folders"
+    for row in csv.DictReader(open(csv_path.parent / "manifest_dicom.csv")):
+        shutil.copytree(csv_path.parent / row["path"], root / row["label"] / Path(row["path"]).name)
+    folders = ImageData(str(root), **kwargs)
+    assert sorted({s.patient_id for s in folders._prepare()}) == sorted({s.patient_id for s in from_dicom._prepare()})
+
+
+def test_bad_volumes_are_skipped_whole_or_refused_in_one_line(tmp_path):
+    rng = np.random.default_rng(5)
+    for c in ("a", "b"):
+        for p in range(3):
+            nifti(tmp_path / c / f"{p}.nii.gz", rng.uniform(0, 1000, (8, 8, 4)))
+    bad_nan = rng.uniform(0, 1000, (8, 8, 4))
+    bad_nan[1, 2, 3] = np.nan
+    nifti(tmp_path / "a" / "nan.nii.gz", bad_nan)
+    good = (tmp_path / "a" / "0.nii.gz").read_bytes()
+    (tmp_path / "b" / "truncated.nii.gz").write_bytes(good[: len(good) // 2])
+    (tmp_path / "b" / "text.nii").write_text("not a volume\n")
+    data = ImageData(str(tmp_path), image_size=8, sample="slice", val_fraction=0.34, augment="none")
+    data.setup()
+    used = {s.path.name for split in ("train", "val") for s in data.samples(split)}
+    assert used == {"0.nii.gz", "1.nii.gz", "2.nii.gz"} and data.skipped_files == 3
+    with pytest.raises(VolumeError) as error:
+        ImageData(str(tmp_path), image_size=8, sample="slice", on_bad_file="error")._prepare()
+    message = str(error.value)
+    assert "\n" not in message and "nan.nii.gz" in message and "NaN" in message
+
+
+def test_mask_that_does_not_fit_its_image_names_both_grids(tmp_path):
+    rng = np.random.default_rng(6)
+    array, mask = lesion_volume(rng)
+    nifti(tmp_path / "v.nii.gz", array)
+    nifti(tmp_path / "m.nii.gz", mask[:, :, :6])
+    nifti(tmp_path / "shifted.nii.gz", mask, AFFINE + np.diag([0, 0, 0.5, 0]))
+    nifti(tmp_path / "fractional.nii.gz", mask * 0.5)
+    rows = [{"path": "v.nii.gz", "mask": m, "label": "a"} for m in ("m.nii.gz", "shifted.nii.gz", "fractional.nii.gz")]
+    for row, expected in zip(rows, ("(16, 16, 6) vs (16, 16, 8)", "affine", "not labels")):
+        data = ImageData(str(manifest(tmp_path, [row, {**row, "label": "b"}])), sample="slice", slice_labels="mask", on_bad_file="error")
+        with pytest.raises(VolumeError, match=r"mask .* of .*v\.nii\.gz") as error:
+            data._prepare()
+        assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_volume_options_are_checked_in_one_line(tmp_path):
+    nifti(tmp_path / "a" / "0.nii.gz", np.zeros((8, 8, 3)))
+    nifti(tmp_path / "b" / "0.nii.gz", np.ones((8, 8, 3)))
+    cases = [
+        (dict(sample="slab", slab_radius=2, in_chans=3), "in_chans 3"),
+        (dict(sample="slice", slab_radius=-1), "slab_radius"),
+        (dict(sample="cube"), "data.sample"),
+        (dict(slice_labels="mask"), "apply to volumes"),
+        (dict(sample="volume"), "volume_size"),
+        (dict(sample="slice", intensity="max"), "data.intensity"),
+        (dict(sample="slice", volumes_in_memory=0), "volumes_in_memory"),
+    ]
+    for kwargs, expected in cases:
+        with pytest.raises(ValueError, match=expected):
+            ImageData(str(tmp_path), **kwargs)
+
+
+def test_whole_volumes_resampled_and_cropped(tmp_path):
+    rng = np.random.default_rng(7)
+    arrays = {}
+    for c in ("a", "b"):
+        for p in range(2):
+            arrays[(c, p)] = rng.uniform(0, 1000, (12, 10, 6)).astype(np.float32)
+            nifti(tmp_path / c / f"{p}.nii.gz", arrays[(c, p)], np.diag([0.8, 0.8, 2.5, 1.0]))
+    native = ImageData(str(tmp_path), sample="volume", volume_size=[12, 10, 6], window_center=500, window_width=1000,
+                       val_fraction=0.5, batch_size=2)
+    dataset = native.dataset("train")
+    for i, sample in enumerate(dataset.samples):
+        tensor, _ = dataset[i]
+        expected = windowed(arrays[(sample.path.parent.name, int(sample.path.name[0]))])
+        np.testing.assert_allclose(tensor[0].numpy(), expected, atol=1e-6)
+    images, labels = next(iter(ImageData(str(tmp_path), sample="volume", spacing=[1.6, 1.6, 2.5], volume_size=[8, 8, 8],
+                                         val_fraction=0.5, batch_size=2).train_dataloader()))
+    assert images.shape == (2, 1, 8, 8, 8) and labels.tolist() in ([0, 1], [1, 0])
+    assert torch.isfinite(images).all()
+
+
+def test_unlabelled_volumes_and_a_gzip_check(tmp_path):
+    rng = np.random.default_rng(8)
+    for p in range(3):
+        nifti(tmp_path / "scans" / f"s{p}" / "ct.nii.gz", rng.uniform(0, 1000, (8, 8, 4)))
+    data = ImageData(str(tmp_path / "scans"), sample="slab", slab_radius=1, labels=False, image_size=8, batch_size=4)
+    images, labels = next(iter(data.train_dataloader()))
+    assert images.shape == (4, 3, 8, 8) and (labels == -1).all() and len(data.samples("train")) == 12
+    assert gzip.open(tmp_path / "scans" / "s0" / "ct.nii.gz").read(4)  # (the data is untouched)

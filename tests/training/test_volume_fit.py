@@ -1,0 +1,72 @@
+"""End to end on volumes: tiny fits on slices, slabs (classification, segmentation, detection) and unlabelled
+volumes (DINO) through train.py's CLI, read back from the TensorBoard event files."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.training.test_classification import events, tiny_args
+from tests.training.test_dense import dense_args
+from tests.training.test_dense import events as dense_events
+from vitlab.cli import fit
+from vitlab.data.synthetic_volumes import generate_volumes
+
+
+@pytest.fixture(scope="module")
+def volumes(tmp_path_factory):
+    """6 synthetic CT patients (3 with lesions), 32 x 32 x 6 voxels: NIfTI with label maps and DICOM series."""
+    return generate_volumes(tmp_path_factory.mktemp("volumes"), patients=6, size=32, slices=6, seed=1, difficulty=0.0)
+
+
+def run_tags(save_dir):
+    acc = events(save_dir / "tiny" / "version_0")
+    return acc, acc.Tags()["scalars"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sample", ["slice", "slab"])
+def test_classification_on_slices_and_slabs(volumes, tmp_path, sample):
+    extra = ["--data.sample", sample, "--data.slab_radius", "1", "--data.slice_labels", "mask", "--data.window", "soft_tissue",
+             "--data.val_fraction", "0.34", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
+    cli = fit(tiny_args(volumes, tmp_path, epochs=1, extra=extra))
+    assert cli.datamodule.in_chans == (3 if sample == "slab" else 1) and cli.model.model.patch_embed.proj.in_channels == cli.datamodule.in_chans
+    acc, tags = run_tags(tmp_path)
+    assert {"train/loss_step", "val/balanced_acc", "val/auroc", "drift/rel_frobenius/stage0.block0.q"} <= set(tags)
+    assert [e.step for e in acc.Scalars("data/skipped_files")] == [0] and acc.Scalars("data/skipped_files")[0].value == 0
+    assert (tmp_path / "tiny" / "version_0" / "qkv" / "epoch_001.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["segmentation", "detection"])
+def test_dense_tasks_on_slabs_of_dicom_series(volumes, tmp_path, task):
+    manifest = volumes.parent / "manifest_dicom.csv"  # the series folders, the NIfTI label maps
+    extra = ["--data.sample", "slab", "--data.slab_radius", "1", "--data.window", "soft_tissue",
+             "--data.mask_classes", "[lesion]", "--data.val_fraction", "0.34", "--data.batch_size", "4",
+             "--data.root", str(manifest), "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+    cli = fit(dense_args(task, tmp_path, epochs=1, extra=extra))
+    assert cli.trainer.global_step == 2 and cli.datamodule.in_chans == 3
+    tags = set(dense_events(tmp_path / task / "version_0").Tags()["scalars"])
+    assert {"val/map_50", "val/mask_map_50"} <= tags if task == "detection" else {"val/dice_lesion"} <= tags
+
+
+@pytest.mark.slow
+def test_dino_on_unlabelled_volumes(volumes, tmp_path):
+    from tests.training.test_dino import TINY
+
+    nifti = volumes.parent / "nifti"
+    extra = ["--task", "dino", "--data.sample", "slab", "--data.slab_radius", "1", "--data.labels", "false",
+             "--data.augment", "none", "--trainer.max_steps", "2", "--model.init_args", "null"]
+    args = tiny_args(volumes, tmp_path, epochs=1)
+    import yaml
+
+    cfg = yaml.safe_load(open(args[1]))
+    cfg.update(task="dino", checkpoint={"monitor": "val/knn_acc"}, model={**TINY, "lr": 1e-3, "warmup_epochs": 0.5})
+    cfg["data"].update(root=str(nifti), sample="slab", slab_radius=1, labels=False, augment="none")
+    cfg["trainer"]["max_steps"] = 2
+    open(args[1], "w").write(yaml.safe_dump(cfg))
+    del extra
+    cli = fit(["--config", args[1]])
+    assert cli.trainer.global_step == 2 and cli.datamodule.in_chans == 3
+    assert len(cli.datamodule.samples("train")) == 6 * 6  # every slab of the six volumes (their label maps are not volumes)
+    _, tags = run_tags(tmp_path)
+    assert "dino/teacher_entropy" in tags and not any(t.startswith("val/") for t in tags)
