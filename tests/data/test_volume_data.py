@@ -89,6 +89,8 @@ def test_slabs_through_the_data_module_labels_from_masks_and_patient_split(tmp_p
             assert s.label == ("lesion" if s.patient_id in ("P0", "P2", "P4", "P6") and s.slice in (2, 3) else "no_lesion")
     assert all(len(v) == 1 for v in splits.values()) and len(splits) == 8
     assert sum(len(data.samples(s)) for s in ("train", "val")) == 16 * 8
+    fewer = ImageData(str(manifest(tmp_path, rows)), image_size=16, sample="slice", slice_labels="mask", min_mask_voxels=13)
+    assert {s.label for s in fewer._prepare()} == {"absent"}  # each lesion slice holds 3 x 4 = 12 voxels
     dataset = data.dataset("val")
     for index in (0, 5, 7):
         sample = dataset.samples[index]

@@ -70,3 +70,25 @@ def test_dino_on_unlabelled_volumes(volumes, tmp_path):
     assert len(cli.datamodule.samples("train")) == 6 * 6  # every slab of the six volumes (their label maps are not volumes)
     _, tags = run_tags(tmp_path)
     assert "dino/teacher_entropy" in tags and not any(t.startswith("val/") for t in tags)
+
+
+def test_class_weights_weight_the_training_loss_only():
+    import torch
+    import torch.nn.functional as F
+
+    from tests.training.test_classification import TINY_SWIN
+    from vitlab.training.classification import ClassificationModule
+
+    with pytest.raises(ValueError, match="class_weights must give 2 positive"):
+        ClassificationModule(num_classes=2, class_weights=[1.0], **TINY_SWIN)
+    module = ClassificationModule(num_classes=2, class_weights=[1.0, 3.0], **TINY_SWIN).eval()
+    module.log = lambda *a, **k: None
+    torch.manual_seed(0)
+    images, labels = torch.randn(6, 1, 32, 32), torch.tensor([0, 1, 1, 0, 0, 1])
+    logits = module(images)
+    weights = torch.tensor([1.0, 3.0])[labels]
+    by_hand = (weights * F.cross_entropy(logits, labels, reduction="none")).sum() / weights.sum()
+    train_loss, _, _ = module._step((images, labels), module.train_metrics, "train")
+    val_loss, _, _ = module._step((images, labels), module.val_metrics, "val")
+    torch.testing.assert_close(train_loss, by_hand)
+    torch.testing.assert_close(val_loss, F.cross_entropy(logits, labels))
