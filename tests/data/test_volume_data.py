@@ -18,7 +18,7 @@ from vitlab.data.layouts import Sample
 from vitlab.data.read_options import ReadOptions, VolumeError
 from vitlab.data.sampling import EpochSampler
 from vitlab.data.synthetic_volumes import generate_volumes
-from vitlab.data.volume_data import VolumeOptions, VolumeStore
+from vitlab.data.volume_data import VolumeOptions, VolumeStore, check_volumes
 
 AFFINE = np.array([[0.8, 0.1, 0, -20], [0, 0.7, 0.2, 5], [0, 0, 2.5, 30], [0, 0, 0, 1]])  # non-diagonal
 
@@ -90,7 +90,8 @@ def test_slabs_through_the_data_module_labels_from_masks_and_patient_split(tmp_p
     assert all(len(v) == 1 for v in splits.values()) and len(splits) == 8
     assert sum(len(data.samples(s)) for s in ("train", "val")) == 16 * 8
     fewer = ImageData(str(manifest(tmp_path, rows)), image_size=16, sample="slice", slice_labels="mask", min_mask_voxels=13)
-    assert {s.label for s in fewer._prepare()} == {"absent"}  # each lesion slice holds 3 x 4 = 12 voxels
+    kept, _ = check_volumes(fewer._layout.samples, fewer.volume_options)
+    assert {s.label for s in kept} == {"absent"}  # each lesion slice holds 3 x 4 = 12 voxels
     dataset = data.dataset("val")
     for index in (0, 5, 7):
         sample = dataset.samples[index]

@@ -173,6 +173,8 @@ class ImageData:
             if unlabelled_root:
                 raise ValueError("data.unlabelled_root is not read with data.sample slice / slab / volume; "
                                  "give the unlabelled volumes as root with data.labels false")
+        elif in_chans not in (1, 3):
+            raise ValueError(f"in_chans must be 1 (grayscale) or 3 (colour), got {in_chans}")
         elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None:
             raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size apply to volumes: "
                              "set data.sample to slice, slab or volume")
