@@ -9,7 +9,8 @@ Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_a
 :class:`WeightsMismatchError` (all in :mod:`vitlab.models.errors`).
 
 Supported families (:func:`families_table`): timm ViT/DeiT, Swin V1, Swin V2 / V2-Cr, Eva, Beit,
-ViT-RelPos, MLP-Mixer; torchvision ViT, Swin V1 and V2; Hugging Face ViT, DINOv2, Swin with the ``hf``
+ViT-RelPos, MLP-Mixer, and the timm ViT over volumes (``vit3d:``, :mod:`vitlab.models.vit3d`, which also
+inflates 2-D ViT weights); torchvision ViT, Swin V1 and V2; Hugging Face ViT, DINOv2, Swin with the ``hf``
 extra. Imports flow one way: :mod:`~vitlab.models.adapter` (the :class:`~vitlab.models.adapter.FamilyAdapter`
 base and the views it returns) <- one adapter per family in ``timm_families`` / ``timm_swin_v2`` /
 ``timm_relpos_families`` / ``torchvision_families`` / ``hf_families`` <- :mod:`~vitlab.models.registry`

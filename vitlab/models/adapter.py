@@ -51,7 +51,8 @@ class BlockView:
         shift_size: Swin cyclic shift (h, w), (0, 0) for unshifted blocks; None otherwise.
         rel_pos_table: Swin V1 / BEiT relative-position bias table ((2w-1)^2 (+3 for BEiT's class token),
             heads), the live Parameter; or None (Swin V2's bias comes from an MLP).
-        grid: Token grid (H, W) entering this block at the model's configured input size.
+        grid: Token grid (H, W) entering this block at the model's configured input size; (d, h, w) for the
+            3-D ViT (:mod:`vitlab.models.vit3d`), whose tokens run in that raster order.
         num_prefix_tokens: Class/register tokens in front of the patch tokens (0 for Swin/Mixer).
         attention_form: ``"dot"`` (logits = q.k / sqrt(hd) + position terms) or ``"cosine"`` (Swin V2:
             logits = exp(min(s_h, log 100)) * q.k / (|q| |k|) + position bias). For cosine attention the QK
@@ -74,7 +75,7 @@ class BlockView:
     window_size: Optional[tuple[int, int]]
     shift_size: Optional[tuple[int, int]]
     rel_pos_table: Optional[nn.Parameter] = field(repr=False)
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     num_prefix_tokens: int
     attention_form: str = "dot"
 
@@ -84,14 +85,15 @@ class Embeddings:
     """Input embedding of a model, for the patch-filter / position-embedding probes.
 
     Attributes:
-        patch_weight: Effective patch-embedding filters (D, in_chans, P, P). A live parameter (view)
-            except for torchvision models built with ``in_chans=1``, where it is the RGB filters summed.
+        patch_weight: Effective patch-embedding filters (D, in_chans, P, P); (D, in_chans, pd, P, P) for the
+            3-D ViT. A live parameter (view) except for torchvision models built with ``in_chans=1``, where
+            it is the RGB filters summed.
         patch_bias: Patch-embedding bias (D,) or None.
         pos_embed: Position embedding of the patch tokens only (H*W, D), or None (Swin, Mixer).
         cls_token: Class token (D,), or None.
         num_prefix_tokens: Tokens in front of the patch tokens.
-        grid: Patch grid (H, W) at the configured input size.
-        patch_size: Patch size (ph, pw) in pixels.
+        grid: Patch grid (H, W) at the configured input size ((d, h, w) for the 3-D ViT).
+        patch_size: Patch size (ph, pw) in pixels ((pd, ph, pw) voxels for the 3-D ViT).
     """
 
     patch_weight: Tensor
@@ -99,8 +101,8 @@ class Embeddings:
     pos_embed: Optional[Tensor]
     cls_token: Optional[Tensor]
     num_prefix_tokens: int
-    grid: tuple[int, int]
-    patch_size: tuple[int, int]
+    grid: tuple[int, ...]
+    patch_size: tuple[int, ...]
 
 
 def _pair(value) -> tuple[int, int]:
@@ -161,7 +163,7 @@ class FamilyAdapter:
         return 0
 
     def image_size(self, model: nn.Module) -> tuple[int, int]:
-        """Configured input size (H, W) in pixels."""
+        """Configured input size (H, W) in pixels ((D, H, W) voxels for the 3-D ViT)."""
         raise NotImplementedError
 
     def in_chans(self, model: nn.Module) -> int:

@@ -26,9 +26,9 @@ def num_blocks(model: nn.Module) -> int:
     return len(blocks(model))
 
 
-def input_size(model: nn.Module) -> tuple[int, int, int]:
+def input_size(model: nn.Module) -> tuple[int, ...]:
     """The input (in_chans, H, W) the model is configured for (torchvision Swin: the ``image_size`` given
-    to :func:`build_model`, 224 by default)."""
+    to :func:`build_model`, 224 by default); (in_chans, D, H, W) for the 3-D ViT."""
     model = unwrap_model(model)
     adapter = get_adapter(model)
     return (adapter.in_chans(model), *adapter.image_size(model))

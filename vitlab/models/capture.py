@@ -52,7 +52,7 @@ def _grid_of(tensor: Tensor, view: BlockView) -> tuple[int, int]:
     if tensor.ndim == 4:
         return (int(tensor.shape[1]), int(tensor.shape[2]))
     patches = tensor.shape[1] - view.num_prefix_tokens
-    if patches == view.grid[0] * view.grid[1]:
+    if patches == math.prod(view.grid):  # (H, W), or (d, h, w) for a 3-D ViT
         return view.grid
     side = math.isqrt(patches)
     return (side, patches // side) if side * side == patches else (1, patches)

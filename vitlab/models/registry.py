@@ -51,7 +51,7 @@ _optional_tried = False  # whether the Hugging Face families were imported (or f
 
 def _builtin_families() -> list[type[FamilyAdapter]]:
     """The timm and torchvision adapter classes, in matching order."""
-    from vitlab.models.timm_families import TimmMixerAdapter, TimmSwinAdapter, TimmViTAdapter
+    from vitlab.models.timm_families import Timm3DViTAdapter, TimmMixerAdapter, TimmSwinAdapter, TimmViTAdapter
     from vitlab.models.timm_relpos_families import TimmBeitAdapter, TimmEvaAdapter, TimmViTRelPosAdapter
     from vitlab.models.timm_swin_v2 import TimmSwinV2Adapter, TimmSwinV2CrAdapter
     from vitlab.models.torchvision_families import (
@@ -61,6 +61,7 @@ def _builtin_families() -> list[type[FamilyAdapter]]:
     )
 
     return [
+        Timm3DViTAdapter,  # a VisionTransformer whose patch embedding is vit3d's PatchEmbed3d
         TimmViTAdapter,
         TimmMixerAdapter,
         TimmSwinAdapter,

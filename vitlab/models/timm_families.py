@@ -1,4 +1,5 @@
-"""Adapters for timm's VisionTransformer (ViT, DeiT), SwinTransformer (v1) and MlpMixer."""
+"""Adapters for timm's VisionTransformer (ViT, DeiT; and over volumes, the 3-D ViT of
+:mod:`vitlab.models.vit3d`), SwinTransformer (v1) and MlpMixer."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from timm.models import mlp_mixer, swin_transformer, vision_transformer
 
 from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
 from vitlab.models.timm_common import _explicit_attention, _timm_filter, _TimmPlainBlocks
+from vitlab.models.vit3d import PATCH_KEY, PatchEmbed3d, adapt_in_chans, inflate_2d_state
 
-__all__ = ["TimmMixerAdapter", "TimmSwinAdapter", "TimmViTAdapter"]
+__all__ = ["Timm3DViTAdapter", "TimmMixerAdapter", "TimmSwinAdapter", "TimmViTAdapter"]
 
 
 class TimmViTAdapter(_TimmPlainBlocks):
@@ -30,7 +32,12 @@ class TimmViTAdapter(_TimmPlainBlocks):
     def matches(cls, model: nn.Module) -> bool:
         if not isinstance(model, vision_transformer.VisionTransformer):
             return False
-        return isinstance(model.patch_embed, PatchEmbed) and all(
+        return isinstance(model.patch_embed, PatchEmbed) and cls._standard_blocks(model)
+
+    @staticmethod
+    def _standard_blocks(model: nn.Module) -> bool:
+        """Whether every block is timm's pre-norm ``Block`` with the plain (ungated) fused-QKV ``Attention``."""
+        return all(
             type(block) is vision_transformer.Block and type(block.attn) is Attention
             and getattr(block.attn, "gate", None) is None
             for block in model.blocks
@@ -85,6 +92,54 @@ class TimmViTAdapter(_TimmPlainBlocks):
 
     def filter_state_dict(self, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
         return _timm_filter(vision_transformer.checkpoint_filter_fn, state_dict, model)
+
+
+class Timm3DViTAdapter(TimmViTAdapter):
+    """timm ``VisionTransformer`` with a :class:`~vitlab.models.vit3d.PatchEmbed3d`: the 2-D ViT's blocks over
+    a (d, h, w) token grid (SPEC §11)."""
+
+    family = "timm-vit3d"
+    description = "timm VisionTransformer with a Conv3d patch embedding (vit3d:vit_*)"
+    classes = "VisionTransformer + PatchEmbed3d"
+    examples = ("`vit3d:vit_base_patch16_224`, `vit3d:vit_small_patch16_224` (with `img_size=(D, H, W)`, "
+                "`patch_size=(pd, p, p)`)")
+    notes = ("volumes (B, C, D, H, W); tokens in (d, h, w) raster order, `BlockView.grid` = (d, h, w); 2-D ViT "
+             "weights inflated on load (patch kernel / pd over depth, position embedding repeated over depth)")
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return (isinstance(model, vision_transformer.VisionTransformer)
+                and isinstance(model.patch_embed, PatchEmbed3d) and cls._standard_blocks(model))
+
+    def image_size(self, model: nn.Module) -> tuple[int, int, int]:
+        """Configured volume size (D, H, W) in voxels."""
+        return tuple(model.patch_embed.img_size)
+
+    def _grid(self, model: nn.Module) -> tuple[int, int, int]:
+        return tuple(model.patch_embed.grid_size)
+
+    def embeddings(self, model: nn.Module) -> Embeddings:
+        conv, prefix = model.patch_embed.proj, self.num_prefix_tokens(model)
+        pos = None
+        if model.pos_embed is not None:
+            pos = model.pos_embed.detach()[0]  # (N, C)
+            pos = pos if model.no_embed_class else pos[prefix:]
+        cls_token = model.cls_token.detach()[0, 0] if model.cls_token is not None else None
+        return Embeddings(
+            patch_weight=conv.weight.detach(), patch_bias=None if conv.bias is None else conv.bias.detach(),
+            pos_embed=pos, cls_token=cls_token, num_prefix_tokens=prefix, grid=self._grid(model),
+            patch_size=tuple(model.patch_embed.patch_size),
+        )
+
+    def filter_state_dict(self, state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+        """2-D ViT weights are inflated (:func:`~vitlab.models.vit3d.inflate_2d_state`); 3-D ones get their
+        input channels converted where they differ and are otherwise loaded as they are."""
+        weight, target = state_dict.get(PATCH_KEY), model.patch_embed.proj.weight
+        if weight is not None and weight.ndim == 4:
+            return inflate_2d_state(state_dict, model)
+        if weight is not None and weight.ndim == 5 and weight.shape[2:] == target.shape[2:]:
+            state_dict = {**state_dict, PATCH_KEY: adapt_in_chans(weight, target.shape[1])}
+        return state_dict
 
 
 class TimmMixerAdapter(_TimmPlainBlocks):
