@@ -51,7 +51,8 @@ TORCHVISION_MODELS: dict[str, dict[str, Any]] = {
     "swin_v2_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
                       window_size=[8, 8], stochastic_depth_prob=0.5),
 }
-_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf"}
+_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf", "vit3d": "vit3d"}
+VIT3D_PREFIXES = ("vit_", "deit_", "deit3_")  # timm VisionTransformer names a 3-D ViT can be built from
 
 
 class ChannelRepeatConv2d(nn.Conv2d):
@@ -207,6 +208,33 @@ def _build_timm(name: str, arch: str, num_classes: int, in_chans: int, pretraine
         raise _unavailable(name, reason) from error
 
 
+def _build_vit3d(name: str, arch: str, num_classes: int, in_chans: int, pretrained: bool,
+                 kwargs: dict[str, Any]) -> nn.Module:
+    """A timm ViT over volumes (:mod:`vitlab.models.vit3d`): ``img_size=(D, H, W)`` and ``patch_size=(pd, p,
+    p)`` go to its Conv3d patch embedding, every other keyword to timm as for the 2-D model. ``pretrained``
+    loads timm's 2-D weights of ``arch`` into a 2-D twin (the same keywords, the in-plane sizes: timm
+    resamples them as for any 2-D model) and inflates them."""
+    from vitlab.models.vit3d import PatchEmbed3d, in_plane_sizes
+
+    if not arch.startswith(VIT3D_PREFIXES):
+        raise UnsupportedModelError(f"model {name!r}: vit3d: builds timm VisionTransformer names "
+                                    f"({', '.join(p + '*' for p in VIT3D_PREFIXES)}), got {arch!r}")
+    if "img_size" not in kwargs or "patch_size" not in kwargs:
+        raise ValueError(f"model {name!r} needs img_size=(D, H, W) and patch_size=(pd, p, p) (or ints for cubes)")
+    if "embed_layer" in kwargs or kwargs.get("dynamic_img_size"):
+        raise ValueError(f"model {name!r} sets its own embed_layer and takes fixed-size volumes (no "
+                         f"embed_layer / dynamic_img_size)")
+    volume, patch = kwargs.pop("img_size"), kwargs.pop("patch_size")
+    embed_layer = PatchEmbed3d.sized(volume, patch)
+    twin = None
+    if pretrained:  # first: fails fast offline
+        twin = _build_timm(name, arch, num_classes, in_chans, True, {**kwargs, **in_plane_sizes(volume, patch)})
+    model = _build_timm(name, arch, num_classes, in_chans, False, {**kwargs, "embed_layer": embed_layer})
+    if twin is not None:
+        load_weights(model, twin.state_dict())  # the 3-D adapter inflates the 2-D weights
+    return model
+
+
 def _build_torchvision(name: str, arch: str, num_classes: int, in_chans: int,
                        kwargs: dict[str, Any]) -> nn.Module:
     from torchvision.models import SwinTransformer, VisionTransformer
@@ -269,12 +297,16 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
             (``vit_b_16`` ... ``vit_h_14``, ``swin_t/s/b``, ``swin_v2_t/s/b``); ``timm:`` / ``torchvision:`` / ``tv:``
             prefixes choose the library explicitly. ``hf:<model type | folder | hub id>`` builds a Hugging
             Face ``transformers`` ViT / DINOv2 / Swin (optional extra, see :mod:`vitlab.models.hf_build`).
+            ``vit3d:<timm ViT name>`` builds that ViT over volumes (B, C, D, H, W) with a Conv3d patch
+            embedding (:mod:`vitlab.models.vit3d`; needs ``img_size=(D, H, W)`` and ``patch_size=(pd, p, p)``).
         num_classes: Classifier outputs.
         in_chans: Image channels (1 for grayscale). torchvision models repeat a grayscale channel.
-        pretrained: Load the library's ImageNet weights (fails fast offline unless cached).
+        pretrained: Load the library's ImageNet weights (fails fast offline unless cached); for ``vit3d:``
+            timm's 2-D weights of the named ViT, inflated.
         weights: A local weights file (state dict, ``.safetensors`` or vitlab Lightning checkpoint);
             takes precedence over ``pretrained``. Head and first conv are adapted as needed. For ``hf:``
-            models also a ``save_pretrained`` folder.
+            models also a ``save_pretrained`` folder. A ``vit3d:`` model inflates a 2-D ViT's file and
+            loads a 3-D one as it is.
         **kwargs: Passed to the constructor (e.g. ``img_size=32, embed_dim=32, depth=2`` for timm;
             ``image_size, patch_size, num_layers, hidden_dim ...`` for torchvision).
 
@@ -305,6 +337,8 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
         weights = None if folder is not None else weights
     elif library == "timm":
         model = _build_timm(name, arch, num_classes, in_chans, pretrained, dict(kwargs))
+    elif library == "vit3d":
+        model = _build_vit3d(name, arch, num_classes, in_chans, pretrained, dict(kwargs))
     else:
         source = _torchvision_pretrained_file(name, arch) if pretrained else None
         model = _build_torchvision(name, arch, num_classes, in_chans, dict(kwargs))

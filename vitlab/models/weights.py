@@ -131,11 +131,17 @@ def load_weights(model: nn.Module, weights: Union[str, Path, Mapping[str, Tensor
     source = "<state_dict>" if isinstance(weights, Mapping) else str(weights)
     state = _unwrap_container(weights, source) if isinstance(weights, Mapping) else read_state_dict(weights)
     target = model.state_dict()
-    state = _strip_wrapper_prefix(state, set(target))
-    state = dict(adapter.filter_state_dict(dict(state), model))
+    state = unfiltered = _strip_wrapper_prefix(state, set(target))
+    try:  # the family's own conversion (timm's checkpoint filters; 2-D -> 3-D ViT inflation)
+        state = dict(adapter.filter_state_dict(dict(state), model))
+    except WeightsMismatchError as error:
+        raise WeightsMismatchError(f"{source}: {error}") from None
 
-    conv_key, conv_adapted = adapter.input_conv + ".weight", False
-    file_conv, model_conv = state.get(conv_key), target.get(conv_key)
+    conv_key = adapter.input_conv + ".weight"  # after the filter: Hugging Face adapters set it there
+    raw_conv, file_conv, model_conv = unfiltered.get(conv_key), state.get(conv_key), target.get(conv_key)
+    # the filter may have converted the channels already (3-D ViT inflation does)
+    conv_adapted = (raw_conv is not None and model_conv is not None and file_conv is not None
+                    and raw_conv.shape[1] != file_conv.shape[1] == model_conv.shape[1])
     if (file_conv is not None and model_conv is not None and file_conv.ndim == 4
             and file_conv.shape[1] != model_conv.shape[1] and file_conv.shape[2:] == model_conv.shape[2:]):
         state[conv_key] = adapt_input_conv(model_conv.shape[1], file_conv, base_chans=file_conv.shape[1])
