@@ -13,9 +13,11 @@ from torch import nn
 
 from vitlab.models.build import build_model
 
-__all__ = ["TINY_IMAGE_SIZE", "TINY_MODELS", "randomize_parameters", "tiny_model"]
+__all__ = ["TINY_IMAGE_SIZE", "TINY_MODELS", "TINY_MODELS_3D", "TINY_VOLUME_SIZE", "randomize_parameters",
+           "tiny_model"]
 
 TINY_IMAGE_SIZE = 32
+TINY_VOLUME_SIZE = (8, 32, 32)  # (D, H, W) voxels of the tiny 3-D models' input
 
 # family -> (name, constructor kwargs): embed dim <= 32, 32 px images, two blocks per stage
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -44,20 +46,31 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                         dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
 }
 
+# 3-D families: inputs (B, C, *TINY_VOLUME_SIZE). Kept apart from TINY_MODELS, whose tests feed 2-D images.
+# The 3-D ViT is the 2-D "timm-vit" over (4, 8, 8) voxel patches (grid (2, 4, 4)), pooled without a class
+# token (the variant inflation keeps exact, SPEC §11); ``class_token=True, global_pool="token"`` adds one.
+TINY_MODELS_3D: dict[str, tuple[str, dict[str, Any]]] = {
+    "timm-vit3d": ("vit3d:vit_tiny_patch16_224",
+                   dict(img_size=TINY_VOLUME_SIZE, patch_size=(4, 8, 8), embed_dim=32, depth=2, num_heads=2,
+                        global_pool="avg", class_token=False)),
+}
+
 
 def tiny_model(family: str, num_classes: int = 3, in_chans: int = 3, seed: int = 0, **overrides: Any) -> nn.Module:
-    """A tiny model of ``family`` (a key of :data:`TINY_MODELS`) with all parameters randomised, in eval mode.
+    """A tiny model of ``family`` (a key of :data:`TINY_MODELS` or :data:`TINY_MODELS_3D`) with all parameters
+    randomised, in eval mode.
 
     Args:
-        family: e.g. ``"timm-vit"``.
+        family: e.g. ``"timm-vit"``, ``"timm-vit3d"``.
         num_classes: Classifier outputs.
         in_chans: Image channels.
         seed: Seed for the parameter draw.
         **overrides: Replace constructor kwargs (e.g. ``init_values=0.1`` for timm LayerScale).
     """
-    if family not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model family {family!r}: choose from {sorted(TINY_MODELS)}")
-    name, kwargs = TINY_MODELS[family]
+    known = {**TINY_MODELS, **TINY_MODELS_3D}
+    if family not in known:
+        raise ValueError(f"unknown tiny model family {family!r}: choose from {sorted(known)}")
+    name, kwargs = known[family]
     model = build_model(name, num_classes, in_chans=in_chans, **{**kwargs, **overrides})
     return randomize_parameters(model, seed).eval()
 
