@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import Tensor, nn
 from timm.layers import Attention, PatchEmbed
@@ -60,13 +60,16 @@ class TimmViTAdapter(_TimmPlainBlocks):
         return views
 
     def embeddings(self, model: nn.Module) -> Embeddings:
-        conv, prefix = model.patch_embed.proj, self.num_prefix_tokens(model)
-        pos = None
+        return conv_embeddings(model.patch_embed.proj, self._grid(model), *self._tokens(model))
+
+    def _tokens(self, model: nn.Module) -> tuple[Optional[Tensor], Optional[Tensor], int]:
+        """(patch tokens' position embedding (N, D) or None, class token (D,) or None, prefix tokens)."""
+        prefix, pos = self.num_prefix_tokens(model), None
         if model.pos_embed is not None:
             pos = model.pos_embed.detach()[0]  # (N, D)
             pos = pos if model.no_embed_class else pos[prefix:]
         cls_token = model.cls_token.detach()[0, 0] if model.cls_token is not None else None
-        return conv_embeddings(conv, self._grid(model), pos, cls_token, prefix)
+        return pos, cls_token, prefix
 
     def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
         return block.drop_path1(block.ls1(block.attn(h, **kwargs)))
@@ -119,12 +122,8 @@ class Timm3DViTAdapter(TimmViTAdapter):
         return tuple(model.patch_embed.grid_size)
 
     def embeddings(self, model: nn.Module) -> Embeddings:
-        conv, prefix = model.patch_embed.proj, self.num_prefix_tokens(model)
-        pos = None
-        if model.pos_embed is not None:
-            pos = model.pos_embed.detach()[0]  # (N, C)
-            pos = pos if model.no_embed_class else pos[prefix:]
-        cls_token = model.cls_token.detach()[0, 0] if model.cls_token is not None else None
+        conv = model.patch_embed.proj
+        pos, cls_token, prefix = self._tokens(model)
         return Embeddings(
             patch_weight=conv.weight.detach(), patch_bias=None if conv.bias is None else conv.bias.detach(),
             pos_embed=pos, cls_token=cls_token, num_prefix_tokens=prefix, grid=self._grid(model),
