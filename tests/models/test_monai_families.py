@@ -173,6 +173,13 @@ def test_build_names_layout_and_embeddings(swin, unetr):
     cls = _vit()
     assert blocks(cls)[0].num_prefix_tokens == 1 and blocks(cls)[0].grid == (4, 4, 4)
     assert embeddings(cls).cls_token.shape == (24,)
+    flat = ViT(in_channels=2, img_size=(16, 24, 32), patch_size=(4, 8, 8), hidden_size=24, mlp_dim=48, num_layers=1,
+               num_heads=2, proj_type="perceptron")
+    flat.vitlab_img_size = (16, 24, 32)  # a bare ViT does not keep its size
+    embed, x = embeddings(flat), torch.randn(1, 2, 16, 24, 32)
+    assert embed.grid == (4, 3, 4) and input_size(flat) == (2, 16, 24, 32)
+    conv = F.conv3d(x, embed.patch_weight, embed.patch_bias, stride=embed.patch_size).flatten(2).transpose(1, 2)
+    assert torch.allclose(conv, flat.patch_embedding.patch_embeddings(x), atol=1e-5)  # the Linear as filters
 
 
 def test_qkv_views_are_live_slices_of_the_fused_and_separate_projections(swin, unetr):

@@ -360,7 +360,11 @@ class MonaiViTAdapter(FamilyAdapter):
     """MONAI ``ViT`` or ``UNETR`` (the blocks of its ``vit``): pre-norm ``TransformerBlock`` s with ``SABlock``
     self-attention over a 3-D patch grid (row-major over (D, H, W)); a class token in front with
     ``classification=True``. Q/K/V come from the combined ``qkv`` Linear (rows q | k | v, heads inside each)
-    or, with ``use_combined_linear=False``, from ``to_q`` / ``to_k`` / ``to_v``."""
+    or, with ``use_combined_linear=False``, from ``to_q`` / ``to_k`` / ``to_v``.
+
+    UNETR keeps its patch grid (``feat_size``); a bare ViT keeps only its patch count, so its grid comes from
+    ``model.vitlab_img_size`` when set and is otherwise taken to be a cube (a non-cubic count becomes a
+    (1, 1, N) row)."""
 
     family = "monai-vit"
     description = "MONAI ViT / UNETR (3-D patch grid)"
