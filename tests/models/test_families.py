@@ -239,7 +239,7 @@ def test_registry_lists_hugging_face_last_and_importing_vitlab_models_loads_no_f
     optional = [adapter.library.startswith("transformers") for adapter in families(include_optional=True)]
     assert optional == sorted(optional), "the Hugging Face families must come last"
     code = ("import sys, vitlab.models\n"
-            "print(sorted({'timm', 'torchvision', 'transformers'} & {m.split('.')[0] for m in sys.modules}))")
+            "print(sorted({'timm', 'torchvision', 'transformers', 'monai'} & {m.split('.')[0] for m in sys.modules}))")
     env = {**os.environ, "PYTHONPATH": str(README.parent), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], cwd=README.parent, env=env, capture_output=True, text=True,
                           timeout=300)

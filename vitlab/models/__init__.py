@@ -10,20 +10,23 @@ Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_a
 
 Supported families (:func:`families_table`): timm ViT/DeiT, Swin V1, Swin V2 / V2-Cr, Eva, Beit,
 ViT-RelPos, MLP-Mixer, and the timm ViT over volumes (``vit3d:``, :mod:`vitlab.models.vit3d`, which also
-inflates 2-D ViT weights); torchvision ViT, Swin V1 and V2; Hugging Face ViT, DINOv2, Swin with the ``hf``
-extra. Imports flow one way: :mod:`~vitlab.models.adapter` (the :class:`~vitlab.models.adapter.FamilyAdapter`
-base and the views it returns) <- one adapter per family in ``timm_families`` / ``timm_swin_v2`` /
-``timm_relpos_families`` / ``torchvision_families`` / ``hf_families`` <- :mod:`~vitlab.models.registry`
-(the ordered list of families and :func:`~vitlab.models.registry.get_adapter`) <- everything else here.
-Adding a family is one adapter class in its own module plus its entry in that list (see
-:mod:`vitlab.models.registry`). Importing this package imports neither timm, torchvision nor
-``transformers``: the registry imports the family modules on first use.
+inflates 2-D ViT weights); torchvision ViT, Swin V1 and V2; MONAI's 3-D SwinUNETR (its ``swinViT``) and
+UNETR / ViT (``monai:swin_unetr``, ``monai:unetr``; token grids (D, H, W), :func:`check_volume_size`);
+Hugging Face ViT, DINOv2, Swin with the ``hf`` extra. Imports flow one way: :mod:`~vitlab.models.adapter`
+(the :class:`~vitlab.models.adapter.FamilyAdapter` base and the views it returns) <- one adapter per family
+in ``timm_families`` / ``timm_swin_v2`` / ``timm_relpos_families`` / ``torchvision_families`` /
+``monai_families`` / ``hf_families`` <- :mod:`~vitlab.models.registry` (the ordered list of families and
+:func:`~vitlab.models.registry.get_adapter`) <- everything else here. Adding a family is one adapter class
+in its own module plus its entry in that list (see :mod:`vitlab.models.registry`). Importing this package
+imports neither timm, torchvision, MONAI nor ``transformers``: the registry imports the family modules on
+first use, and the MONAI adapters import no MONAI (only ``monai:`` builds and MONAI models do).
 """
 
 from vitlab.models.ablation import ablate, ablated, ablation_components, ablation_state, restore
 from vitlab.models.adapter import BlockView, Embeddings
 from vitlab.models.anatomy import (
     blocks,
+    check_volume_size,
     embeddings,
     family_name,
     input_size,
@@ -68,6 +71,7 @@ __all__ = [
     "build_model",
     "build_segmenter",
     "capture",
+    "check_volume_size",
     "dense_window_attention",
     "embeddings",
     "families_table",

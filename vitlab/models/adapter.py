@@ -15,6 +15,7 @@ in matching order and finds the adapter of a model (see there for how to add a f
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Optional
@@ -47,12 +48,14 @@ class BlockView:
         num_heads: Attention heads (None for MLP-Mixer).
         head_dim: Channels per head (None for MLP-Mixer).
         has_attention: False for MLP-Mixer blocks (token mixing is an MLP).
-        window_size: Swin attention window (h, w) at the configured input size; None otherwise.
-        shift_size: Swin cyclic shift (h, w), (0, 0) for unshifted blocks; None otherwise.
+        window_size: Swin attention window (h, w) at the configured input size, (d, h, w) for 3-D models
+            (MONAI SwinUNETR); None otherwise.
+        shift_size: Swin cyclic shift (h, w) or (d, h, w), all 0 for unshifted blocks; None otherwise.
         rel_pos_table: Swin V1 / BEiT relative-position bias table ((2w-1)^2 (+3 for BEiT's class token),
-            heads), the live Parameter; or None (Swin V2's bias comes from an MLP).
-        grid: Token grid (H, W) entering this block at the model's configured input size; (d, h, w) for the
-            3-D ViT (:mod:`vitlab.models.vit3d`), whose tokens run in that raster order.
+            heads; (2wd-1)(2wh-1)(2ww-1) rows for 3-D windows), the live Parameter; or None (Swin V2's bias
+            comes from an MLP).
+        grid: Token grid (H, W) entering this block at the model's configured input size; (D, H, W) for
+            3-D models, whose tokens run row-major over the three axes.
         num_prefix_tokens: Class/register tokens in front of the patch tokens (0 for Swin/Mixer).
         attention_form: ``"dot"`` (logits = q.k / sqrt(hd) + position terms) or ``"cosine"`` (Swin V2:
             logits = exp(min(s_h, log 100)) * q.k / (|q| |k|) + position bias). For cosine attention the QK
@@ -72,8 +75,8 @@ class BlockView:
     num_heads: Optional[int]
     head_dim: Optional[int]
     has_attention: bool
-    window_size: Optional[tuple[int, int]]
-    shift_size: Optional[tuple[int, int]]
+    window_size: Optional[tuple[int, ...]]
+    shift_size: Optional[tuple[int, ...]]
     rel_pos_table: Optional[nn.Parameter] = field(repr=False)
     grid: tuple[int, ...]
     num_prefix_tokens: int
@@ -85,15 +88,15 @@ class Embeddings:
     """Input embedding of a model, for the patch-filter / position-embedding probes.
 
     Attributes:
-        patch_weight: Effective patch-embedding filters (D, in_chans, P, P); (D, in_chans, pd, P, P) for the
-            3-D ViT. A live parameter (view) except for torchvision models built with ``in_chans=1``, where
-            it is the RGB filters summed.
+        patch_weight: Effective patch-embedding filters (D, in_chans, P, P), (D, in_chans, Pd, P, P) for
+            3-D models. A live parameter (view) except for torchvision models built with ``in_chans=1``,
+            where it is the RGB filters summed, and MONAI's perceptron patch embedding, a reshaped view.
         patch_bias: Patch-embedding bias (D,) or None.
         pos_embed: Position embedding of the patch tokens only (H*W, D), or None (Swin, Mixer).
         cls_token: Class token (D,), or None.
         num_prefix_tokens: Tokens in front of the patch tokens.
-        grid: Patch grid (H, W) at the configured input size ((d, h, w) for the 3-D ViT).
-        patch_size: Patch size (ph, pw) in pixels ((pd, ph, pw) voxels for the 3-D ViT).
+        grid: Patch grid (H, W) at the configured input size; (D, H, W) for 3-D models.
+        patch_size: Patch size (ph, pw) in pixels; (pd, ph, pw) voxels for 3-D models.
     """
 
     patch_weight: Tensor
@@ -162,9 +165,22 @@ class FamilyAdapter:
         """Class/register tokens in front of the patch tokens."""
         return 0
 
-    def image_size(self, model: nn.Module) -> tuple[int, int]:
-        """Configured input size (H, W) in pixels ((D, H, W) voxels for the 3-D ViT)."""
+    def image_size(self, model: nn.Module) -> tuple[int, ...]:
+        """Configured input size (H, W) in pixels; (D, H, W) voxels for 3-D models."""
         raise NotImplementedError
+
+    def check_volume_size(self, model: nn.Module, size) -> tuple[int, ...]:
+        """The spatial size (D, H, W) of a volume this model can take, as a tuple; 3-D families override it.
+
+        Raises:
+            ValueError: always here: the family takes 2-D images.
+        """
+        raise ValueError(f"{self.description} takes 2-D images (B, C, H, W), not volumes")
+
+    def check_input(self, model: nn.Module, x: Tensor) -> None:
+        """Raises a one-line ValueError for an input the model cannot take, before a forward that would fail
+        deep inside the library (3-D families: a 2-D image, a volume size they cannot tile). Default: no
+        check."""
 
     def in_chans(self, model: nn.Module) -> int:
         """Number of input image channels the model accepts."""
@@ -206,9 +222,9 @@ class FamilyAdapter:
         """What the library block returns for the output stream ``x`` (default: ``x`` itself)."""
         return x
 
-    def runtime_grid(self, block: nn.Module, args: tuple) -> tuple[int, int]:
+    def runtime_grid(self, block: nn.Module, args: tuple) -> tuple[int, ...]:
         """Swin only: the token grid (H, W) of a block call from its positional ``args`` (default: the
-        (B, H, W, C) input's shape)."""
+        (B, H, W, C) input's shape; 3-D families return (D, H, W))."""
         return (int(args[0].shape[1]), int(args[0].shape[2]))
 
     def to_mlp_layout(self, x: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -230,8 +246,9 @@ class FamilyAdapter:
         attention probabilities: (B, heads, N, N), or (B*nW, heads, w*w, w*w) for Swin windows."""
         raise NotImplementedError(f"{self.description} has no attention to record")
 
-    def window_geometry(self, block: nn.Module, grid: tuple[int, int]) -> Optional[tuple]:
-        """Swin only: ((wh, ww), (sh, sw), roll_before_pad) the block uses on a runtime ``grid``."""
+    def window_geometry(self, block: nn.Module, grid: tuple[int, ...]) -> Optional[tuple]:
+        """Swin only: ((wh, ww), (sh, sw), roll_before_pad) the block uses on a runtime ``grid`` (3-tuples
+        for a 3-D grid)."""
         return None
 
     # ---- parameters by name ------------------------------------------------------------------------
@@ -279,31 +296,40 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def window_slot_tokens(
-    grid: tuple[int, int], window: tuple[int, int], shift: tuple[int, int], roll_before_pad: bool
+    grid: tuple[int, ...], window: tuple[int, ...], shift: tuple[int, ...], roll_before_pad: bool
 ) -> Tensor:
-    """Original token index of every slot of every Swin window (pad slots hold ``H*W``).
+    """Original token index of every slot of every Swin window (pad slots hold the token count).
+
+    Works for 2-D grids (H, W) and 3-D grids (D, H, W) alike: tokens are numbered row-major over the grid,
+    windows are ordered row-major over the window grid, and slots row-major inside a window (the order of
+    timm, torchvision and MONAI's ``window_partition``).
 
     Args:
-        grid: Token grid (H, W) of the block input.
-        window: Window size (wh, ww).
-        shift: Cyclic shift (sh, sw); the library rolls by ``-shift`` before partitioning.
-        roll_before_pad: timm rolls the unpadded grid then pads; torchvision pads then rolls.
+        grid: Token grid (H, W) or (D, H, W) of the block input.
+        window: Window size, one number per axis.
+        shift: Cyclic shift per axis; the library rolls by ``-shift`` before partitioning.
+        roll_before_pad: timm rolls the unpadded grid then pads; torchvision and MONAI pad then roll.
 
     Returns:
-        LongTensor (nW, wh*ww) in the library's window order.
+        LongTensor (nW, prod(window)) in the library's window order.
     """
-    height, width = grid
-    wh, ww = window
-    padded_h, padded_w = -(-height // wh) * wh, -(-width // ww) * ww
-    tokens = torch.arange(height * width).view(height, width)
-    padded = torch.full((padded_h, padded_w), height * width, dtype=torch.long)
+    axes = len(grid)
+    num_tokens = math.prod(grid)
+    padded_size = [-(-size // side) * side for size, side in zip(grid, window)]
+    tokens = torch.arange(num_tokens).view(*grid)
+    padded = torch.full(padded_size, num_tokens, dtype=torch.long)
+    inside = tuple(slice(0, size) for size in grid)
+    rolled = tuple(-step for step in shift)
     if roll_before_pad:
         if any(shift):
-            tokens = torch.roll(tokens, shifts=(-shift[0], -shift[1]), dims=(0, 1))
-        padded[:height, :width] = tokens
+            tokens = torch.roll(tokens, shifts=rolled, dims=tuple(range(axes)))
+        padded[inside] = tokens
     else:
-        padded[:height, :width] = tokens
+        padded[inside] = tokens
         if any(shift):
-            padded = torch.roll(padded, shifts=(-shift[0], -shift[1]), dims=(0, 1))
-    windows = padded.view(padded_h // wh, wh, padded_w // ww, ww).permute(0, 2, 1, 3)  # (nH, nW, wh, ww)
-    return windows.reshape(-1, wh * ww)
+            padded = torch.roll(padded, shifts=rolled, dims=tuple(range(axes)))
+    # (n0, w0, n1, w1, ...) -> (n0, n1, ..., w0, w1, ...)
+    split = [part for size, side in zip(padded_size, window) for part in (size // side, side)]
+    order = list(range(0, 2 * axes, 2)) + list(range(1, 2 * axes, 2))
+    windows = padded.view(*split).permute(*order)
+    return windows.reshape(-1, math.prod(window))

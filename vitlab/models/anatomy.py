@@ -10,7 +10,8 @@ from torch import Tensor, nn
 from vitlab.models.adapter import BlockView, Embeddings, unwrap_model
 from vitlab.models.registry import get_adapter
 
-__all__ = ["blocks", "embeddings", "family_name", "input_size", "num_blocks", "out_proj", "part_prefixes", "qkv", "select_blocks"]
+__all__ = ["blocks", "check_volume_size", "embeddings", "family_name", "input_size", "num_blocks", "out_proj",
+           "part_prefixes", "qkv", "select_blocks"]
 
 BlockRef = Union[int, str]
 
@@ -28,10 +29,29 @@ def num_blocks(model: nn.Module) -> int:
 
 def input_size(model: nn.Module) -> tuple[int, ...]:
     """The input (in_chans, H, W) the model is configured for (torchvision Swin: the ``image_size`` given
-    to :func:`build_model`, 224 by default); (in_chans, D, H, W) for the 3-D ViT."""
+    to :func:`build_model`, 224 by default); (in_chans, D, H, W) for 3-D models (MONAI SwinUNETR: the
+    ``img_size`` given to :func:`build_model`, 96 by default)."""
     model = unwrap_model(model)
     adapter = get_adapter(model)
     return (adapter.in_chans(model), *adapter.image_size(model))
+
+
+def check_volume_size(model: nn.Module, size) -> tuple[int, ...]:
+    """The volume size (D, H, W) ``model`` can take, checked before data is prepared for it.
+
+    Args:
+        model: A supported model.
+        size: An int (a cube) or three ints.
+
+    Returns:
+        The size as a tuple of three ints.
+
+    Raises:
+        ValueError: one line: a 2-D model, a 2-D size, or a size the model cannot take (the message names
+            the nearest valid sizes).
+    """
+    model = unwrap_model(model)
+    return get_adapter(model).check_volume_size(model, size)
 
 
 def family_name(model: nn.Module) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Optional, Union
@@ -45,7 +46,8 @@ class AttentionRecord:
 
     Attributes:
         views: The recorded blocks by name.
-        grids: Runtime token grid (H, W) per block name (for Swin, the grid the windows tile).
+        grids: Runtime token grid (H, W) per block name (for Swin, the grid the windows tile); (D, H, W) for
+            3-D models.
     """
 
     def __init__(self, views: list[BlockView], adapter: FamilyAdapter, to_cpu: bool):
@@ -86,7 +88,7 @@ class AttentionRecord:
         window, shift, roll_before_pad = geometry
         grid = self.grids[name]
         slots = window_slot_tokens(grid, window, shift, roll_before_pad)
-        return dense_window_attention(attentions[name], slots, grid[0] * grid[1])
+        return dense_window_attention(attentions[name], slots, math.prod(grid))
 
     def patch_windows(self, name: str) -> tuple[Tensor, Tensor]:
         """Attention among patch tokens in the groups it is computed over, for per-pair statistics.
@@ -97,7 +99,8 @@ class AttentionRecord:
 
         Returns:
             ``probs`` (B*G, heads, T, T) over the T slots of each of the G groups, and ``slots`` (G, T):
-            the patch-token index (row-major in ``grids[name]``) of every slot; pad slots hold H*W.
+            the patch-token index (row-major in ``grids[name]``) of every slot; pad slots hold the number of
+            patch tokens (H*W, or D*H*W for 3-D models).
         """
         attentions = self.attentions
         if name not in attentions:
@@ -149,7 +152,7 @@ def record_attention(model: nn.Module, blocks: Optional[Union[BlockRef, Iterable
 
 
 def _grid_hook(record: AttentionRecord, name: str, adapter: FamilyAdapter):
-    """Forward pre-hook storing the runtime (H, W) of a Swin block call."""
+    """Forward pre-hook storing the runtime (H, W) (3-D: (D, H, W)) of a Swin block call."""
     def hook(module: nn.Module, args: tuple) -> None:
         record.grids[name] = adapter.runtime_grid(module, args)
     return hook

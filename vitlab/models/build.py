@@ -1,4 +1,5 @@
-"""Building timm / torchvision vision transformers by name, with offline-safe pretrained weights."""
+"""Building timm / torchvision vision transformers (and MONAI's 3-D ones) by name, with offline-safe
+pretrained weights."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ TORCHVISION_MODELS: dict[str, dict[str, Any]] = {
     "swin_v2_b": dict(patch_size=[4, 4], embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32],
                       window_size=[8, 8], stochastic_depth_prob=0.5),
 }
-_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf", "vit3d": "vit3d"}
+_LIBRARY_PREFIXES = {"timm": "timm", "torchvision": "torchvision", "tv": "torchvision", "hf": "hf", "vit3d": "vit3d",
+                     "monai": "monai"}
 VIT3D_PREFIXES = ("vit_", "deit_", "deit3_")  # timm VisionTransformer names a 3-D ViT can be built from
 
 
@@ -299,16 +301,19 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
             Face ``transformers`` ViT / DINOv2 / Swin (optional extra, see :mod:`vitlab.models.hf_build`).
             ``vit3d:<timm ViT name>`` builds that ViT over volumes (B, C, D, H, W) with a Conv3d patch
             embedding (:mod:`vitlab.models.vit3d`; needs ``img_size=(D, H, W)`` and ``patch_size=(pd, p, p)``).
+            ``monai:swin_unetr`` / ``monai:unetr`` build MONAI's 3-D SwinUNETR / UNETR with
+            ``in_channels=in_chans, out_channels=num_classes`` (see :mod:`vitlab.models.monai_build`).
         num_classes: Classifier outputs.
         in_chans: Image channels (1 for grayscale). torchvision models repeat a grayscale channel.
         pretrained: Load the library's ImageNet weights (fails fast offline unless cached); for ``vit3d:``
-            timm's 2-D weights of the named ViT, inflated.
+            timm's 2-D weights of the named ViT, inflated; always fails for ``monai:`` (no downloadable weights).
         weights: A local weights file (state dict, ``.safetensors`` or vitlab Lightning checkpoint);
             takes precedence over ``pretrained``. Head and first conv are adapted as needed. For ``hf:``
             models also a ``save_pretrained`` folder. A ``vit3d:`` model inflates a 2-D ViT's file and
             loads a 3-D one as it is.
         **kwargs: Passed to the constructor (e.g. ``img_size=32, embed_dim=32, depth=2`` for timm;
-            ``image_size, patch_size, num_layers, hidden_dim ...`` for torchvision).
+            ``image_size, patch_size, num_layers, hidden_dim ...`` for torchvision; MONAI's constructor
+            arguments for ``monai:``, plus ``img_size`` (the volume size) for ``monai:swin_unetr``).
 
     Returns:
         The model, in training mode.
@@ -335,6 +340,10 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
         folder = weights if weights is not None and weights.is_dir() else None
         model = build_hf(name, arch, num_classes, in_chans, pretrained, folder, dict(kwargs))
         weights = None if folder is not None else weights
+    elif library == "monai":  # MONAI is imported only there
+        from vitlab.models.monai_build import build_monai
+
+        model = build_monai(name, arch, num_classes, in_chans, pretrained, dict(kwargs))
     elif library == "timm":
         model = _build_timm(name, arch, num_classes, in_chans, pretrained, dict(kwargs))
     elif library == "vit3d":

@@ -44,15 +44,15 @@ def _valid_sites(sites: Union[str, Iterable[str]]) -> list[str]:
 
 
 def _as_tokens(tensor: Tensor) -> Tensor:
-    """(B, H, W, C) -> (B, H*W, C); (B, N, C) unchanged."""
-    return tensor.flatten(1, 2) if tensor.ndim == 4 else tensor
+    """(B, H, W, C) -> (B, H*W, C); 3-D Swin (B, D, H, W, C) -> (B, D*H*W, C); (B, N, C) unchanged."""
+    return tensor.flatten(1, tensor.ndim - 2) if tensor.ndim >= 4 else tensor
 
 
-def _grid_of(tensor: Tensor, view: BlockView) -> tuple[int, int]:
-    if tensor.ndim == 4:
-        return (int(tensor.shape[1]), int(tensor.shape[2]))
+def _grid_of(tensor: Tensor, view: BlockView) -> tuple[int, ...]:
+    if tensor.ndim >= 4:
+        return tuple(int(size) for size in tensor.shape[1:-1])
     patches = tensor.shape[1] - view.num_prefix_tokens
-    if patches == math.prod(view.grid):  # (H, W), or (d, h, w) for a 3-D ViT
+    if patches == math.prod(view.grid):
         return view.grid
     side = math.isqrt(patches)
     return (side, patches // side) if side * side == patches else (1, patches)
@@ -64,7 +64,7 @@ class Capture:
     Attributes:
         views: The captured blocks by name.
         sites: The captured sites.
-        grids: Token grid (H, W) per block name (from the runtime shapes).
+        grids: Token grid (H, W) per block name (from the runtime shapes); (D, H, W) for 3-D models.
     """
 
     def __init__(self, views: list[BlockView], sites: list[str], to_cpu: bool, dtype: Optional[torch.dtype],
@@ -192,18 +192,23 @@ def forward_until(model: nn.Module, x: Tensor, block: Union[BlockRef, str], site
 
     Args:
         model: A supported model.
-        x: Images (B, C, H, W).
+        x: Images (B, C, H, W), or volumes (B, C, D, H, W) for 3-D models.
         block: Global index, block name, or ``"embed"`` (after patch embedding, position embedding and
             class token: the input of the first block).
         site: Where in ``block`` to stop: a :data:`CAPTURE_SITES` name (alias ``token_mixing``);
             ``resid`` (default) is the block output. Must be ``resid`` for ``"embed"``.
 
     Returns:
-        (B, N, C) tokens, prefix tokens included (Swin's (B, H, W, C) flattened); for ``mlp_hidden``
-        C is the MLP hidden width.
+        (B, N, C) tokens, prefix tokens included (Swin's (B, H, W, C) and 3-D Swin's (B, D, H, W, C)
+        flattened); for ``mlp_hidden`` C is the MLP hidden width.
+
+    Raises:
+        ValueError: an input the model cannot take (3-D models: a 2-D image, a volume size they cannot
+            tile), an unknown site or block.
     """
     model = unwrap_model(model)
     site = _valid_sites(site)[0]
+    get_adapter(model).check_input(model, x)
     with ExitStack() as stack:
         if block == "embed":
             if site != "resid":

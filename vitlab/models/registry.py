@@ -19,7 +19,7 @@ Adding a family:
    :mod:`vitlab.models`, importing only :mod:`vitlab.models.adapter` (and, for timm families,
    :mod:`vitlab.models.timm_common`) besides its library. Fill the class attributes that describe it for
    users: ``family`` (id), ``description`` (one line for error messages), ``library`` (``timm`` /
-   ``torchvision`` / ``transformers``), ``classes`` (the library class names), ``examples`` (model names
+   ``torchvision`` / ``transformers`` / ``monai``), ``classes`` (the library class names), ``examples`` (model names
    that build it), ``supports`` (what works; the default lists every feature) and ``notes`` (position
    terms, norm placement, what is not supported);
 2. import it in :func:`_builtin_families` (or :func:`_hugging_face_families` for a ``transformers`` model)
@@ -50,7 +50,9 @@ _optional_tried = False  # whether the Hugging Face families were imported (or f
 
 
 def _builtin_families() -> list[type[FamilyAdapter]]:
-    """The timm and torchvision adapter classes, in matching order."""
+    """The timm, torchvision and MONAI adapter classes, in matching order (the MONAI module imports no MONAI:
+    its adapters match only models of an imported MONAI)."""
+    from vitlab.models.monai_families import MonaiSwinUNETRAdapter, MonaiViTAdapter
     from vitlab.models.timm_families import Timm3DViTAdapter, TimmMixerAdapter, TimmSwinAdapter, TimmViTAdapter
     from vitlab.models.timm_relpos_families import TimmBeitAdapter, TimmEvaAdapter, TimmViTRelPosAdapter
     from vitlab.models.timm_swin_v2 import TimmSwinV2Adapter, TimmSwinV2CrAdapter
@@ -73,6 +75,8 @@ def _builtin_families() -> list[type[FamilyAdapter]]:
         TorchvisionViTAdapter,
         TorchvisionSwinAdapter,  # its matches() refuses V2 blocks; V2 subclasses it
         TorchvisionSwinV2Adapter,
+        MonaiSwinUNETRAdapter,  # SwinUNETR or its bare SwinTransformer
+        MonaiViTAdapter,  # UNETR or its bare ViT
     ]
 
 
