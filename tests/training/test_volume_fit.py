@@ -92,3 +92,16 @@ def test_class_weights_weight_the_training_loss_only():
     val_loss, _, _ = module._step((images, labels), module.val_metrics, "val")
     torch.testing.assert_close(train_loss, by_hand)
     torch.testing.assert_close(val_loss, F.cross_entropy(logits, labels))
+
+
+@pytest.mark.slow
+def test_classification_of_whole_volumes_with_a_3d_vit(volumes, tmp_path):
+    kwargs = '{img_size: [16, 16, 8], patch_size: [8, 8, 4], embed_dim: 16, depth: 2, num_heads: 2, global_pool: avg, class_token: false}'
+    extra = ["--model.model_name", "vit3d:vit_tiny_patch16_224", "--model.model_kwargs", kwargs, "--data.sample", "volume",
+             "--data.spacing", "[1.4, 1.4, 2.5]", "--data.volume_size", "[16, 16, 8]", "--data.window", "soft_tissue",
+             "--data.augment", "none", "--data.val_fraction", "0.34", "--data.batch_size", "2"]
+    cli = fit(tiny_args(volumes, tmp_path, epochs=1, extra=extra))
+    assert cli.model.model.patch_embed.grid_size == (2, 2, 2)
+    _, tags = run_tags(tmp_path)
+    assert {"val/balanced_acc", "drift/rel_frobenius/stage0.block0.q"} <= set(tags)
+    assert (tmp_path / "tiny" / "version_0" / "qkv" / "epoch_001.safetensors").is_file()

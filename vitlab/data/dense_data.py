@@ -32,8 +32,6 @@ class DenseImageData(ImageData):
             manifest, mask_classes = scan_coco(coco_json, mask_dir=coco_mask_dir)
             kwargs["root"] = str(manifest)
         super().__init__(*args, **kwargs)
-        if self.volume_options is not None and self.volume_options.sample == "volume":
-            raise ValueError("data.sample volume gives whole volumes; 2-D detection / segmentation train on slice or slab")
         self.mask_classes = list(mask_classes or ["lesion"])
         if not self.mask_classes:
             raise ValueError("mask_classes must name at least one foreground class")
@@ -47,13 +45,22 @@ class DenseImageData(ImageData):
         if self._samples is not None:
             return self._samples
         samples = super()._prepare()
+        if self.volume_options is not None:  # the label maps were read and checked with their volumes
+            return samples
         kept, skipped = check_masks(samples, self.num_mask_classes, self.on_bad_file, self.mask_classes)
         self._skipped_at_setup += len(skipped)
         self._samples = kept
         return kept
 
     def dataset(self, split: str, *, augmented: bool = False) -> DenseDataset:
-        """Image + mask dataset of one split; ``augmented`` moves the masks with the image."""
+        """Image + mask dataset of one split; ``augmented`` moves the masks with the image. Whole volumes
+        (``sample: volume``): their label maps on the resampled grid (:class:`~vitlab.data.volume_data.VolumeDataset`)."""
+        if self.volume_options is not None and self.volume_options.sample == "volume":
+            from vitlab.data.volume_data import VolumeDataset
+
+            return VolumeDataset(self.samples(split), self.class_names, self.volume_options, self.read_options, self.spacing,
+                                 self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
+                                 num_mask_classes=self.num_mask_classes)
         return DenseDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,

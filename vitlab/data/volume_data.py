@@ -295,6 +295,9 @@ class VolumeDataset(MedicalImageDataset):
     skipped as images are (:meth:`first_good`); no augmentation yet (``transform`` is an empty pipeline so
     that the keyed training order applies unchanged).
 
+    With ``num_mask_classes`` (segmentation) items are ``(tensor, {"mask": (I, J, K) int64})``: the label map
+    resampled with nearest neighbours onto the same grid and padded with background.
+
     Args:
         samples: One per volume (``slice`` None).
         class_names: Class order.
@@ -304,34 +307,51 @@ class VolumeDataset(MedicalImageDataset):
         size: Voxels along i, j, k after crop / pad.
         on_bad_file: ``"skip"`` or ``"error"``.
         bad_paths: The set that collects volumes skipped at load time.
+        num_mask_classes: Foreground classes of the label maps (segmentation); None: items carry the volume's label.
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], options: VolumeOptions,
                  read_options: ReadOptions, spacing: Sequence[float] | None, size: Sequence[int], *,
-                 on_bad_file: str = "skip", bad_paths: set[str] | None = None) -> None:
+                 on_bad_file: str = "skip", bad_paths: set[str] | None = None, num_mask_classes: int | None = None) -> None:
         import albumentations as A
 
         super().__init__(samples, class_names, A.Compose([]), read_options=read_options, on_bad_file=on_bad_file,
                          bad_paths=bad_paths)
         self.options, self.spacing, self.size = options, spacing, tuple(size)
+        self.num_mask_classes = num_mask_classes
 
     def load_volume(self, index: int):
-        """The resampled, cropped / padded :class:`~vitlab.data.volume.Volume` of sample ``index`` (values: HU)."""
+        """The resampled, cropped / padded :class:`~vitlab.data.volume.Volume` of sample ``index`` (values: HU) and
+        its label map on the same grid (None without ``num_mask_classes``)."""
         from vitlab.data.resample import crop_or_pad, resample
 
         sample = self.samples[index]
         volume = read_volume(sample.path, series_uid=sample.series_uid)
+        mask = None
+        if self.num_mask_classes is not None:
+            from vitlab.data.volume import Volume
+
+            mask = Volume(read_label_map(sample, volume.shape, volume.affine).astype(np.float32), volume.affine)
         if self.spacing is not None:
             volume = resample(volume, self.spacing, mode="linear")
+            mask = None if mask is None else resample(mask, self.spacing, mode="nearest", fill=0.0)
         fill = float(volume.array.min())  # outside the field of view: the volume's lowest value (air in CT)
-        return crop_or_pad(volume, self.size, fill=fill)
+        return crop_or_pad(volume, self.size, fill=fill), None if mask is None else crop_or_pad(mask, self.size, fill=0.0)
 
     def _item(self, index: int):
         import torch
 
         from vitlab.data.dataset import finite_tensor
+        from vitlab.data.masks import MaskError
 
-        volume = self.load_volume(index)
+        volume, mask = self.load_volume(index)
         values = intensities(volume.array, self.read_options, self.options.intensity)  # (I, J, K)
-        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None]  # (1, I, J, K)
-        return finite_tensor(self.samples[index].path, tensor), self.labels[index]
+        tensor = finite_tensor(self.samples[index].path, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None])
+        if mask is None:
+            return tensor, self.labels[index]  # (1, I, J, K)
+        labels = torch.from_numpy(np.rint(mask.array).astype(np.int64))  # (I, J, K)
+        if int(labels.max()) > self.num_mask_classes:
+            sample = self.samples[index]
+            raise MaskError(f"mask {sample.mask} of {sample.path}: label value(s) {sorted(set(labels.unique().tolist()) - set(range(self.num_mask_classes + 1)))} "
+                            f"not in the classes (0 = background, 1-{self.num_mask_classes})")
+        return tensor, {"mask": labels}

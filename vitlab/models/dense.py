@@ -205,7 +205,13 @@ class Segmenter(nn.Module):
 def build_segmenter(name: str, num_classes: int, in_chans: int = 1, image_size: int = 224, pretrained: bool = False,
                     weights: Optional[str] = None, decoder_channels: int = 64,
                     model_kwargs: Optional[dict] = None) -> Segmenter:
-    """Segmenter over a timm Swin / ViT (arguments as :func:`build_detector`; ``decoder_channels`` = FPN width)."""
+    """Segmenter over a timm Swin / ViT (arguments as :func:`build_detector`; ``decoder_channels`` = FPN width).
+    A ``monai:`` name (``monai:swin_unetr``, ``monai:unetr``) is already a segmenter with its own decoder: it is
+    built with ``num_classes + 1`` outputs and ``model_kwargs`` (``image_size`` and ``decoder_channels`` unused)."""
+    if name.startswith("monai:"):
+        from vitlab.models.build import build_model
+
+        return build_model(name, num_classes + 1, in_chans, pretrained=pretrained, weights=weights, **(model_kwargs or {}))
     kwargs = {"img_size": image_size, **(model_kwargs or {})}
     return Segmenter(_backbone(name, in_chans, pretrained, weights, kwargs, decoder_channels), num_classes)
 

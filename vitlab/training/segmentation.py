@@ -14,16 +14,22 @@ from vitlab.training.base import TaskModule
 
 
 def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
-    """1 - mean over foreground classes of the batch soft Dice; logits (B, K+1, H, W), target (B, H, W) int."""
-    probs = logits.float().softmax(dim=1)[:, 1:]  # (B, K, H, W)
-    onehot = F.one_hot(target, logits.shape[1]).permute(0, 3, 1, 2)[:, 1:].float()  # (B, K, H, W)
-    inter = (probs * onehot).sum(dim=(0, 2, 3))
-    total = probs.sum(dim=(0, 2, 3)) + onehot.sum(dim=(0, 2, 3))
+    """1 - mean over foreground classes of the batch soft Dice; logits (B, K+1, *S), target (B, *S) int, for images
+    (S = H, W) and volumes (S = I, J, K): MONAI's ``DiceLoss(include_background=False, to_onehot_y=True,
+    softmax=True, batch=True, smooth_nr=eps, smooth_dr=eps)``."""
+    probs = logits.float().softmax(dim=1)[:, 1:]  # (B, K, *S)
+    onehot = F.one_hot(target, logits.shape[1]).movedim(-1, 1)[:, 1:].float()  # (B, K, *S)
+    dims = (0, *range(2, logits.ndim))
+    inter = (probs * onehot).sum(dim=dims)
+    total = probs.sum(dim=dims) + onehot.sum(dim=dims)
     return 1.0 - ((2 * inter + eps) / (total + eps)).mean()
 
 
 class SegmentationModule(TaskModule):
-    """Fine-tunes a segmenter (see :func:`vitlab.models.build_segmenter`) with cross-entropy + soft Dice.
+    """Fine-tunes a segmenter (see :func:`vitlab.models.build_segmenter`) with cross-entropy + soft Dice, on images
+    or on whole volumes (``data.sample: volume`` with a 3-D model such as ``monai:swin_unetr``; validation and test
+    then run MONAI's ``sliding_window_inference`` over each volume when ``sliding_window`` is set, and the figure
+    shows the middle slice).
 
     Batches are ``(images, targets)`` from :class:`vitlab.data.DenseDataModule` (``target["mask"]`` is the
     label map). Validation logs ``val/loss``, ``val/dice`` and ``val/iou`` (mean over foreground classes)
@@ -38,6 +44,9 @@ class SegmentationModule(TaskModule):
         dice_weight: Weight of the soft Dice loss added to cross-entropy.
         grid_images: Images in the validation figure (0 disables it).
         class_names: Foreground class names (linked from ``data.mask_classes``).
+        sliding_window: Window (voxels along i, j, k) of MONAI's ``sliding_window_inference`` for validation and test
+            on volumes; None: one forward pass over the whole input.
+        sliding_overlap: Overlap of neighbouring windows (fraction of the window).
         **kwargs: The backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule`, as for
             :class:`~vitlab.training.DetectionModule`.
     """
@@ -50,9 +59,15 @@ class SegmentationModule(TaskModule):
         dice_weight: float = 1.0,
         grid_images: int = 4,
         class_names: list[str] | None = None,
+        sliding_window: list[int] | None = None,
+        sliding_overlap: float = 0.25,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if sliding_window is not None and not (len(sliding_window) == 3 and all(int(n) > 0 for n in sliding_window)):
+            raise ValueError(f"model.sliding_window must be 3 positive voxel counts (i, j, k) or null, got {sliding_window!r}")
+        if not 0.0 <= sliding_overlap < 1.0:
+            raise ValueError(f"model.sliding_overlap must be in [0, 1), got {sliding_overlap}")
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
         backbone = self.backbone_args
@@ -79,8 +94,19 @@ class SegmentationModule(TaskModule):
             raise ValueError(f"segmentation needs a label map for every image: {boxed[0].path} has a 'boxes' cell but no "
                              f"'mask' ({len(boxed)} such rows); add the masks, or train these boxes with task: detection")
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, K+1, H, W)
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, *S) -> (B, K+1, *S)
         return self.model(images)
+
+    def predict_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits (B, K+1, *S) for evaluation: MONAI's sliding-window inference over a volume when
+        ``sliding_window`` is set, else one forward pass."""
+        window = self.hparams.sliding_window
+        if window is None or images.ndim != 5:
+            return self(images)
+        from monai.inferers import sliding_window_inference
+
+        return sliding_window_inference(images, tuple(int(n) for n in window), sw_batch_size=4, predictor=self.model,
+                                        overlap=self.hparams.sliding_overlap, mode="gaussian")
 
     def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), mask) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
@@ -112,7 +138,7 @@ class SegmentationModule(TaskModule):
     def validation_step(self, batch, batch_idx: int) -> None:
         images, targets = batch
         mask = torch.stack([t["mask"] for t in targets])
-        logits = self(images)
+        logits = self.predict_logits(images)
         self.log("val/loss", self._loss(logits, mask), on_epoch=True, batch_size=len(images))
         self.update_metrics("val", logits, mask)
         if batch_idx == 0 and self.hparams.grid_images:
@@ -132,11 +158,14 @@ class SegmentationModule(TaskModule):
         from vitlab.outputs.figures import SegmentationOverlay
 
         images, truth, pred = self._grid
+        if images.ndim == 5:  # volumes (B, C, I, J, K): the middle slice along k, shown as DICOM shows it (rows along j)
+            k = images.shape[-1] // 2
+            images, truth, pred = (t[..., k].transpose(-1, -2) for t in (images, truth, pred))
         return {"val/segmentation": SegmentationOverlay(images[:, 0].float().numpy(), truth.numpy(), pred.numpy(), list(self.class_names))}
 
     def test_step(self, batch, batch_idx: int) -> None:
         images, targets = batch
-        self.update_metrics("test", self(images), torch.stack([t["mask"] for t in targets]))
+        self.update_metrics("test", self.predict_logits(images), torch.stack([t["mask"] for t in targets]))
 
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.compute_metrics("test"))

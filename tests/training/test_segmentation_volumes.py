@@ -1,0 +1,95 @@
+"""Segmentation on whole volumes: the loss against MONAI's, label maps on the resampled grid, sliding-window
+validation against a direct forward, and a tiny SwinUNETR fit read back from the event files."""
+
+from __future__ import annotations
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from vitlab.data.dense_data import DenseImageData
+from vitlab.training.segmentation import soft_dice_loss
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 8, 9), (2, 3, 6, 5, 4)], ids=["image", "volume"])
+def test_soft_dice_is_monais_batch_dice_loss(shape):
+    from monai.losses import DiceLoss
+
+    torch.manual_seed(0)
+    logits = torch.randn(shape)
+    target = torch.randint(0, shape[1], (shape[0], *shape[2:]))
+    monai = DiceLoss(include_background=False, to_onehot_y=True, softmax=True, batch=True, smooth_nr=1.0, smooth_dr=1.0)
+    torch.testing.assert_close(soft_dice_loss(logits, target), monai(logits, target[:, None]))
+
+
+def test_volume_label_maps_follow_their_volumes_onto_the_resampled_grid(tmp_path):
+    rng = np.random.default_rng(0)
+    affine = np.diag([0.7, 0.7, 2.5, 1.0])
+    rows = ["path,mask,label"]
+    for p in range(4):
+        array = rng.uniform(0, 1000, (20, 18, 6)).astype(np.float32)
+        mask = np.zeros((20, 18, 6), np.uint8)
+        mask[5:11, 4:9, 2:4] = 1
+        nib.save(nib.Nifti1Image(array, affine), tmp_path / f"v{p}.nii.gz")
+        nib.save(nib.Nifti1Image(mask, affine), tmp_path / f"m{p}.nii.gz")
+        rows.append(f"v{p}.nii.gz,m{p}.nii.gz,{'ab'[p % 2]}")
+    (tmp_path / "manifest.csv").write_text("\n".join(rows) + "\n")
+    native = DenseImageData(str(tmp_path / "manifest.csv"), sample="volume", volume_size=[20, 18, 6], val_fraction=0.5)
+    image, target = native.dataset("train")[0]
+    assert image.shape == (1, 20, 18, 6) and target["mask"].dtype == torch.int64
+    assert int(target["mask"].sum()) == 6 * 5 * 2 and target["mask"][5:11, 4:9, 2:4].all()
+    coarse = DenseImageData(str(tmp_path / "manifest.csv"), sample="volume", spacing=[1.4, 1.4, 2.5], volume_size=[16, 16, 8],
+                            val_fraction=0.5)
+    image, target = coarse.dataset("train")[0]
+    assert image.shape == (1, 16, 16, 8) and set(target["mask"].unique().tolist()) == {0, 1}
+    # the lesion's centre in mm stays where it was: (7.5, 6, 2.5) voxels at 0.7 / 0.7 / 2.5 mm
+    centre_mm = np.argwhere(target["mask"].numpy()).mean(axis=0)  # on the 16 x 16 x 8 grid, padded about the centre
+    offset = (np.array([16, 16, 8]) - np.array([10, 9, 6])) // 2  # old grid (20, 18, 6) at 1.4 mm -> 10 x 9 x 6 voxels
+    np.testing.assert_allclose((centre_mm - offset) * [1.4, 1.4, 2.5], [7.5 * 0.7, 6 * 0.7, 2.5 * 2.5], atol=0.75)
+
+
+def tiny_swin_unetr():
+    from vitlab import models
+
+    return models.build_model("monai:swin_unetr", 2, in_chans=1, img_size=32, feature_size=12, depths=(2, 2, 2, 2),
+                              num_heads=(2, 2, 4, 4), window_size=4, norm_name="batch").eval()
+
+
+def test_sliding_window_validation_equals_a_direct_forward_when_the_volume_fits_one_window():
+    from vitlab.models.testing import randomize_parameters
+    from vitlab.training.segmentation import SegmentationModule
+
+    module = SegmentationModule(num_classes=1, model_name="monai:swin_unetr", sliding_window=[32, 32, 32],
+                                model_kwargs=dict(img_size=32, feature_size=12, depths=(2, 2, 2, 2), num_heads=(2, 2, 4, 4),
+                                                  window_size=4, norm_name="batch")).eval()
+    randomize_parameters(module.model, seed=0)
+    volume = torch.randn(2, 1, 32, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(module.predict_logits(volume), module(volume), atol=1e-5, rtol=1e-5)
+        bigger = torch.randn(1, 1, 64, 32, 32)  # two windows along i: the same as MONAI's own loop
+        from monai.inferers import sliding_window_inference
+
+        expected = sliding_window_inference(bigger, (32, 32, 32), 4, module.model, overlap=0.25, mode="gaussian")
+        torch.testing.assert_close(module.predict_logits(bigger), expected)
+
+
+@pytest.mark.slow
+def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path):
+    from tests.training.test_classification import events, tiny_args
+    from vitlab.cli import fit
+    from vitlab.data.synthetic_volumes import generate_volumes
+
+    manifest = generate_volumes(tmp_path / "v", patients=4, size=32, slices=8, seed=2, difficulty=0.0)
+    kwargs = "{img_size: 32, feature_size: 12, depths: [2, 2, 2, 2], num_heads: [2, 2, 4, 4], window_size: 4, norm_name: batch}"
+    extra = ["--task", "segmentation", "--model.model_name", "monai:swin_unetr", "--model.model_kwargs", kwargs,
+             "--model.sliding_window", "[32, 32, 32]", "--data.sample", "volume", "--data.spacing", "[1.4, 1.4, 2.5]",
+             "--data.volume_size", "[32, 32, 32]", "--data.mask_classes", "[lesion]", "--data.window", "soft_tissue",
+             "--data.augment", "none", "--data.val_fraction", "0.5", "--data.batch_size", "2"]
+    cli = fit(tiny_args(manifest, tmp_path / "runs", epochs=1, extra=extra))
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    acc = events(run)
+    tags = set(acc.Tags()["scalars"])
+    assert {"val/dice_lesion", "val/iou_lesion", "drift/rel_frobenius/stage0.block0.q", "spectra/positive_mass/stage3.block1"} <= tags
+    assert "val/segmentation" in acc.Tags()["images"] and (run / "qkv" / "epoch_001.safetensors").is_file()
+    assert cli.model.model.__class__.__name__ == "SwinUNETR"
