@@ -11,7 +11,7 @@ from vitlab.cli import fit, train_main
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 DENSE = [c for c in CONFIGS if c.stem in ("quickstart_detection", "quickstart_segmentation")]  # need masks
-VOLUMES = [c for c in CONFIGS if c.stem == "quickstart_slab"]  # need volumes
+VOLUMES = [c for c in CONFIGS if c.stem in ("quickstart_slab", "quickstart_volume")]  # need volumes
 SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c not in DENSE + VOLUMES and c.stem != "quickstart_pretrained"]
 
 
@@ -57,7 +57,7 @@ def test_volume_config_trains_one_step(config, tmp_path, monkeypatch):
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
     ])
-    assert cli.trainer.global_step == 1 and cli.model.model.patch_embed.proj.in_channels == 5
+    assert cli.trainer.global_step == 1 and cli.datamodule.volume_options is not None
 
 
 @pytest.mark.parametrize("config", DENSE, ids=lambda c: c.stem)
