@@ -18,7 +18,8 @@ SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickst
 def test_all_configs_listed():
     names = {c.stem for c in CONFIGS}
     assert {"quickstart", "medical_swin", "medical_vit", "mixer", "ablation_residual", "ablation_layernorm", "ablation_attention", "ablation_mlp",
-            "quickstart_detection", "quickstart_segmentation", "medical_swin_maskrcnn", "medical_vit_maskrcnn"} <= names
+            "quickstart_detection", "quickstart_segmentation", "medical_swin_maskrcnn", "medical_vit_maskrcnn", "quickstart_slab",
+            "quickstart_volume", "medical_vit3d", "medical_swinunetr"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
@@ -126,3 +127,16 @@ def test_pretrained_quickstart_without_its_pretraining_names_the_command(tiny_da
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "python train.py --config configs/dino_pretrain.yaml" in err[0]
+
+
+@pytest.mark.parametrize("config, expected", [("medical_vit3d", "pretrained: false"), ("medical_swinunetr", "model_swinvit.pt")])
+@pytest.mark.slow
+def test_full_scale_volume_configs_stop_offline_with_a_way_forward(config, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--config", str(Path("configs") / f"{config}.yaml"), "--data.embedded_kwargs", '{"patients": 4, "slices": 3, "size": 32}',
+                    "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    assert exc.value.code == 2 and time.perf_counter() - start < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.weights" in err[0] and expected in err[0]
