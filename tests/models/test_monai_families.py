@@ -524,3 +524,16 @@ def test_adapter_lookup_of_other_families_imports_no_monai():
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "False"
+
+
+def test_2d_swin_weights_are_refused_with_the_reason(tmp_path):
+    from safetensors.torch import save_file
+
+    planar = build_model("swin_tiny_patch4_window7_224", 2, in_chans=1, img_size=32, embed_dim=12, depths=(2, 2),
+                                num_heads=(1, 2), window_size=4)
+    path = tmp_path / "swin2d.safetensors"
+    save_file({k: v.contiguous() for k, v in planar.state_dict().items()}, str(path))
+    with pytest.raises(WeightsMismatchError) as error:
+        build_model("monai:swin_unetr", 2, in_chans=1, img_size=32, feature_size=12, norm_name="batch", weights=path)
+    message = str(error.value)
+    assert "\n" not in message and "swin2d.safetensors" in message and "2-D Swin weights" in message and "no inflation rule" in message

@@ -95,7 +95,7 @@ def test_class_weights_weight_the_training_loss_only():
 
 
 @pytest.mark.slow
-def test_classification_of_whole_volumes_with_a_3d_vit(volumes, tmp_path):
+def test_classification_of_whole_volumes_with_a_3d_vit(volumes, tmp_path, capsys):
     kwargs = '{img_size: [16, 16, 8], patch_size: [8, 8, 4], embed_dim: 16, depth: 2, num_heads: 2, global_pool: avg, class_token: false}'
     extra = ["--model.model_name", "vit3d:vit_tiny_patch16_224", "--model.model_kwargs", kwargs, "--data.sample", "volume",
              "--data.spacing", "[1.4, 1.4, 2.5]", "--data.volume_size", "[16, 16, 8]", "--data.window", "soft_tissue",
@@ -105,3 +105,13 @@ def test_classification_of_whole_volumes_with_a_3d_vit(volumes, tmp_path):
     _, tags = run_tags(tmp_path)
     assert {"val/balanced_acc", "drift/rel_frobenius/stage0.block0.q"} <= set(tags)
     assert (tmp_path / "tiny" / "version_0" / "qkv" / "epoch_001.safetensors").is_file()
+    # a 2-D probe given the 3-D checkpoint says so in one line; spectra reads it
+    from vitlab.probe_cli import probe_main
+
+    ckpt = str(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
+    with pytest.raises(SystemExit):
+        probe_main(["attention", "--checkpoint", ckpt, "--out", str(tmp_path / "att")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "a 3-D model (input (1, 16, 16, 8)" in err[-1] and "does not take 3-D checkpoints" in err[-1]
+    probe_main(["spectra", "--checkpoint", ckpt, "--out", str(tmp_path / "spectra")])
+    assert list((tmp_path / "spectra").glob("events.out.tfevents.*"))

@@ -313,6 +313,14 @@ class MonaiSwinUNETRAdapter(FamilyAdapter):
         unchanged."""
         _, prefix = self._encoder(model)
         state = dict(state_dict)
+        planar = [key for key, value in state.items() if key.endswith("patch_embed.proj.weight") and value.ndim == 4]
+        if planar and any(v.ndim == 5 for k, v in model.state_dict().items() if k.endswith("patch_embed.proj.weight")):
+            from vitlab.models.errors import WeightsMismatchError
+
+            raise WeightsMismatchError(
+                f"2-D Swin weights (patch kernel {tuple(state[planar[0]].shape)} at {planar[0]}) cannot start a 3-D Swin: its "
+                "windows, relative-position tables and patch kernels are 3-D and have no inflation rule; use MONAI's "
+                "self-supervised swinViT weights (model_swinvit.pt), a 3-D checkpoint, or a vit3d: ViT (which inflates 2-D ViT weights)")
         if prefix and not any(key.startswith(prefix) for key in state):
             renamed = {}
             for key, value in state.items():

@@ -274,12 +274,22 @@ class ImageStream:
             yield _finish(pixels, None, [], None, self.mean, self.std).inputs
 
 
+def planar_input(model: nn.Module, source: str) -> tuple[int, int, int]:
+    """The model's (in_chans, H, W); a 3-D model (a volume input) is refused in one line: the probes that read
+    images and draw maps are 2-D (``drift``, ``spectra`` and ``claims`` read a 3-D run's tables)."""
+    shape = tuple(models.input_size(model))
+    if len(shape) != 3:
+        raise ValueError(f"{source}: a 3-D model (input {shape}: channels and a {len(shape) - 1}-D volume); this probe reads 2-D "
+                         "images and draws 2-D maps and does not take 3-D checkpoints yet (drift, spectra and claims read a 3-D run's tables)")
+    return shape  # type: ignore[return-value]
+
+
 def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageStream:
     """The images :func:`load_images` would return, as a stream (the files are listed, not read)."""
     from vitlab.data import read_image
     from vitlab.data.image_data import ImageData
 
-    in_chans, height, width = models.input_size(loaded.model)
+    in_chans, height, width = planar_input(loaded.model, loaded.source)
     mean, std = models.normalization(loaded.model)
     count = args.num_images or default_count
     if count < 1:

@@ -17,7 +17,7 @@ from vitlab.analysis.featurevis import (
     recipe_with,
 )
 from vitlab.analysis.inversion import with_normalization
-from vitlab.probes.common import ProbeContext, add_common_arguments, progress
+from vitlab.probes.common import ProbeContext, add_common_arguments, planar_input, progress
 from vitlab.probes.invert import enlarge
 from vitlab.outputs.images import image_grid
 from vitlab.outputs.files import write_csv
@@ -72,7 +72,7 @@ def parse_indices(text: str, upper: int, what: str) -> list[int]:
 
 def run(ctx: ProbeContext) -> None:
     model, args = ctx.model, ctx.args
-    shape = models.input_size(model)  # (C, H, W)
+    shape = planar_input(model, ctx.loaded.source if ctx.loaded is not None else "the model")  # (C, H, W)
     mean, std = models.normalization(model)
     patch = max(models.embeddings(model).patch_size)
     probe_input = torch.zeros(1, *shape, device=ctx.device)
