@@ -26,8 +26,8 @@ from vitlab.models import build_model, record_attention
 from vitlab.training.segmentation import SegmentationModule
 
 SIZES = {
-    "tiny": (dict(img_size=32, feature_size=12, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), norm_name="batch"), 2),
-    "medium": (dict(img_size=64, feature_size=24, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), norm_name="batch"), 1),
+    "tiny": ({"img_size": 32, "feature_size": 12, "depths": (2, 2, 2, 2), "num_heads": (3, 6, 12, 24), "norm_name": "batch"}, 2),
+    "medium": ({"img_size": 64, "feature_size": 24, "depths": (2, 2, 2, 2), "num_heads": (3, 6, 12, 24), "norm_name": "batch"}, 1),
 }
 
 
@@ -61,11 +61,11 @@ def main() -> None:
         volume = torch.randn(batch, 1, side, side, side)
         recorded = {}
 
-        def plain() -> None:
+        def plain(model=model, volume=volume) -> None:
             with torch.no_grad():
                 model(volume)
 
-        def record() -> None:
+        def record(model=model, volume=volume, recorded=recorded) -> None:
             with torch.no_grad(), record_attention(model) as rec:
                 model(volume)
             recorded["attentions"] = rec.attentions

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _timing import best_of  # benchmarks/_timing.py
 from torch.utils.tensorboard import SummaryWriter
 
 from vitlab.models import build_model, parameter_groups
@@ -40,11 +41,10 @@ from vitlab.qkv.drift import report_drift
 from vitlab.qkv.spectra import block_spectra, report_spectra
 from vitlab.qkv.state import head_counts, qkv_state, snapshot_name
 from vitlab.training.segmentation import soft_dice_loss
-from _timing import best_of  # benchmarks/_timing.py
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = dict(img_size=32, feature_size=12, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), norm_name="batch")
-FULL = dict(img_size=96, feature_size=48, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24))
+TINY = {"img_size": 32, "feature_size": 12, "depths": (2, 2, 2, 2), "num_heads": (3, 6, 12, 24), "norm_name": "batch"}
+FULL = {"img_size": 96, "feature_size": 48, "depths": (2, 2, 2, 2), "num_heads": (3, 6, 12, 24)}
 
 
 def quickstart_split() -> tuple[int, int]:
