@@ -276,16 +276,21 @@ class VolumeStore:
 
     def mask(self, sample: Sample, num_classes: int) -> np.ndarray:
         """The label map's slice (J, I) int64 at ``sample.slice``, its values checked against ``num_classes``."""
-        from vitlab.data.masks import MaskError
-
         entry = self._entry(sample)
         if "mask" not in entry:
             entry["mask"] = np.ascontiguousarray(read_label_map(sample, *entry["grid"]).transpose(2, 1, 0))
-        mask = entry["mask"][sample.slice].astype(np.int64)  # (J, I)
-        if mask.max(initial=0) > num_classes:
-            raise MaskError(f"mask {sample.mask} of {sample.path}: label value(s) {sorted(set(np.unique(mask)) - set(range(num_classes + 1)))} "
-                            f"not in the classes (0 = background, 1-{num_classes})")
-        return mask
+        return within_classes(sample, entry["mask"][sample.slice].astype(np.int64), num_classes)  # (J, I)
+
+
+def within_classes(sample: Sample, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """``labels`` (int64) when every value is 0..``num_classes``, else a one-line :class:`MaskError` naming them."""
+    from vitlab.data.masks import MaskError
+
+    if labels.max(initial=0) > num_classes:
+        extra = sorted(set(np.unique(labels).tolist()) - set(range(num_classes + 1)))
+        raise MaskError(f"mask {sample.mask} of {sample.path}: label value(s) {extra} not in the classes "
+                        f"(0 = background, 1-{num_classes})")
+    return labels
 
 
 class VolumeDataset(MedicalImageDataset):
@@ -342,16 +347,11 @@ class VolumeDataset(MedicalImageDataset):
         import torch
 
         from vitlab.data.dataset import finite_tensor
-        from vitlab.data.masks import MaskError
 
         volume, mask = self.load_volume(index)
         values = intensities(volume.array, self.read_options, self.options.intensity)  # (I, J, K)
         tensor = finite_tensor(self.samples[index].path, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None])
         if mask is None:
             return tensor, self.labels[index]  # (1, I, J, K)
-        labels = torch.from_numpy(np.rint(mask.array).astype(np.int64))  # (I, J, K)
-        if int(labels.max()) > self.num_mask_classes:
-            sample = self.samples[index]
-            raise MaskError(f"mask {sample.mask} of {sample.path}: label value(s) {sorted(set(labels.unique().tolist()) - set(range(self.num_mask_classes + 1)))} "
-                            f"not in the classes (0 = background, 1-{self.num_mask_classes})")
-        return tensor, {"mask": labels}
+        labels = within_classes(self.samples[index], np.rint(mask.array).astype(np.int64), self.num_mask_classes)  # (I, J, K)
+        return tensor, {"mask": torch.from_numpy(labels)}
