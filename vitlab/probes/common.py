@@ -39,6 +39,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, images: bool = True, m
         img.add_argument("--images", nargs="+", metavar="PATH", help="image files or folders (DICOM/PNG/JPEG/TIFF); default: validation images of --config's data, else of the embedded dataset")
         img.add_argument("--num-images", type=int, default=None, help="how many images to use (default: the subcommand's own)")
         img.add_argument("--split", default="val", choices=["train", "val", "test"], help="split of the data section / embedded dataset to draw images from")
+        img.add_argument("--spacing", type=float, nargs=3, metavar="MM", default=None, help="3-D models: resample each volume to this voxel size in mm along i, j, k (default: the config's data.spacing, else each volume's own)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output folder (default runs/probe-<subcommand>-<name>/): TensorBoard events + CSV/JSON tables")
     out.add_argument("--overwrite", action="store_true", help="replace the results already in --out")
@@ -73,7 +74,8 @@ class LoadedModel:
     data: dict[str, Any] | None = None  # the training config's data section, when known
     class_names: list[str] | None = None  # names of the head's outputs, when the checkpoint knows them
     run: str | None = None  # "<name>-<version>" when the checkpoint lives in a run folder (names the output folder)
-    task: str = "classification"  # "detection" / "segmentation": a dense checkpoint's backbone in a fresh classifier
+    task: str = "classification"  # "detection" / "segmentation": a dense checkpoint's backbone in a fresh classifier,
+    # or (a 3-D segmenter such as monai:swin_unetr) the whole network, whose outputs are voxel logits, not classes
 
     @property
     def head_trained(self) -> bool:
@@ -134,12 +136,15 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         if data is None and Path(checkpoint).resolve().parent.name == "checkpoints" and run_config.is_file():
             data = _read_config(run_config).get("data") or {}  # images default to the run's own data
         kwargs = dict(hp.get("model_kwargs") or {})
+        task = checkpoint_task(state)
+        whole = task == "classification" and "sliding_window" in hp  # a segmenter probed whole (MONAI's SwinUNETR / UNETR)
         if "image_size" in hp and "img_size" not in kwargs:  # a detector / segmenter: probe its backbone
             kwargs["img_size"] = hp["image_size"]
-        build = dict(name=hp["model_name"], num_classes=max(hp.get("num_classes", 2), 2), in_chans=hp.get("in_chans", 1), **kwargs)  # (DINO on unlabelled images: 0)
+        classes = hp.get("num_classes", 2) + 1 if whole else max(hp.get("num_classes", 2), 2)  # (background; DINO: 0)
+        build = dict(name=hp["model_name"], num_classes=classes, in_chans=hp.get("in_chans", 1), **kwargs)
         model = models.build_model(**build)
         models.load_weights(model, state)
-        task = checkpoint_task(state)
+        task = "segmentation" if whole else task
         names = hp.get("class_names") if task == "classification" else None  # a dense model's classes are not the head's
         return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data,
                            list(names) if names else None, run_label(Path(checkpoint)), task)
@@ -212,7 +217,9 @@ def _num_classes(data: dict[str, Any]) -> int:
 
 
 def _datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
-    keep = {"root", "in_chans", "window", "window_center", "window_width", "window_index", "frames", "val_fraction", "test_fraction", "seed", "on_bad_file", "mean", "std", "embedded_kwargs", "classes", "labels"}
+    keep = {"root", "in_chans", "window", "window_center", "window_width", "window_index", "frames", "val_fraction", "test_fraction",
+            "seed", "on_bad_file", "mean", "std", "embedded_kwargs", "classes", "labels", "sample", "slab_radius", "slice_labels",
+            "intensity", "min_mask_voxels", "spacing", "volume_size"}
     return {k: v for k, v in (data or {}).items() if k in keep}
 
 
@@ -234,20 +241,25 @@ def _data_module(data: dict[str, Any], **overrides: Any):
 class ImageBatch:
     """Probe images: ``pixels`` in [0, 1] (for display / inversion targets) and the model input."""
 
-    pixels: torch.Tensor  # (N, C, H, W) in [0, 1]
-    inputs: torch.Tensor  # (N, C, H, W) normalised with the model's mean/std
+    pixels: torch.Tensor  # (N, C, H, W) in [0, 1]; a 3-D model's volumes: (N, C, I, J, K)
+    inputs: torch.Tensor  # (N, C, H, W) normalised with the model's mean/std (volumes: as training gave them)
     labels: torch.Tensor | None  # (N,) int64, when the source has labels
     names: list[str]
     class_names: list[str] | None = None
+    spacing: tuple[float, float, float] | None = None  # volumes: mm per voxel along i, j, k (one for all)
 
 
-def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageBatch:
-    """Images from --images, else the split of --config's data section, else of the embedded dataset."""
-    stream = image_stream(args, loaded, default_count, split)
+def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None,
+                volumes: bool = False) -> ImageBatch:
+    """Images from --images, else the split of --config's data section, else of the embedded dataset
+    (``volumes``: a 3-D model's volumes, else such a model is refused)."""
+    stream = image_stream(args, loaded, default_count, split, volumes)
     items = [stream.read(i) for i in range(stream.count)]
     pixels = torch.stack([pixel for pixel, _, _ in items])
     labels = torch.tensor([label for _, label, _ in items]) if stream.labelled else None
-    return _finish(pixels, labels, [name for _, _, name in items], stream.class_names, stream.mean, stream.std)
+    batch = _finish(pixels, labels, [name for _, _, name in items], stream.class_names, stream.mean, stream.std)
+    batch.spacing = stream.spacing
+    return batch
 
 
 @dataclass
@@ -260,9 +272,14 @@ class ImageStream:
     std: list[float]
     labelled: bool
     class_names: list[str] | None = None
+    spacing: tuple[float, float, float] | None = None  # volumes: mm per voxel along i, j, k, the same for every volume
+
+    @property
+    def volumetric(self) -> bool:
+        return self.spacing is not None
 
     def pixel_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(b, C, H, W) pixels in [0, 1] and (b,) labels (None when unlabelled), in order."""
+        """(b, C, H, W) (volumes: (b, C, I, J, K)) pixels in [0, 1] and (b,) labels (None when unlabelled), in order."""
         for start in range(0, self.count, batch_size):
             items = [self.read(i) for i in range(start, min(start + batch_size, self.count))]
             labels = torch.tensor([label for _, label, _ in items]) if self.labelled else None
@@ -274,27 +291,34 @@ class ImageStream:
             yield _finish(pixels, None, [], None, self.mean, self.std).inputs
 
 
+VOLUME_PROBES = "drift, spectra, claims, attention, mi, stats, features and ablate"
+
+
 def planar_input(model: nn.Module, source: str) -> tuple[int, int, int]:
-    """The model's (in_chans, H, W); a 3-D model (a volume input) is refused in one line: the probes that read
-    images and draw maps are 2-D (``drift``, ``spectra`` and ``claims`` read a 3-D run's tables)."""
+    """The model's (in_chans, H, W); a 3-D model (a volume input) is refused in one line naming the probes
+    that take one."""
     shape = tuple(models.input_size(model))
     if len(shape) != 3:
         raise ValueError(f"{source}: a 3-D model (input {shape}: channels and a {len(shape) - 1}-D volume); this probe reads 2-D "
-                         "images and draws 2-D maps and does not take 3-D checkpoints yet (drift, spectra and claims read a 3-D run's tables)")
+                         f"images and draws 2-D maps and does not take 3-D checkpoints (the probes that do: {VOLUME_PROBES})")
     return shape  # type: ignore[return-value]
 
 
-def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None) -> ImageStream:
-    """The images :func:`load_images` would return, as a stream (the files are listed, not read)."""
+def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None,
+                 volumes: bool = False) -> ImageStream:
+    """The images :func:`load_images` would return, as a stream (the files are listed, not read); with
+    ``volumes``, a 3-D model's volumes (:func:`volume_stream`)."""
     from vitlab.data import read_image
     from vitlab.data.image_data import ImageData
 
-    in_chans, height, width = planar_input(loaded.model, loaded.source)
-    mean, std = models.normalization(loaded.model)
     count = args.num_images or default_count
     if count < 1:
         raise ValueError(f"--num-images must be >= 1, got {count}")
     split = split or args.split
+    if volumes and len(models.input_size(loaded.model)) == 4:
+        return volume_stream(args, loaded, count, split)
+    in_chans, height, width = planar_input(loaded.model, loaded.source)
+    mean, std = models.normalization(loaded.model)
     if args.images:
         files = _expand_images(args.images)[:count]
         return ImageStream(len(files), lambda i: (_to_tensor(read_image(files[i]), in_chans, height, width), None, str(files[i])), mean, std, False)
@@ -316,9 +340,77 @@ def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: i
     return ImageStream(len(order), read, mean, std, labelled, dm.class_names if labelled else None)
 
 
+def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, split: str) -> ImageStream:
+    """A 3-D model's probe volumes, read one at a time as training reads them (:class:`~vitlab.data.volume_data.VolumeDataset`):
+    resampled to ``--spacing`` (else the config's ``data.spacing``, else left at each volume's own), cropped / padded
+    about the centre to the model's input size, intensities through the config's window / ``data.intensity``, no
+    mean / std (training gives volumes to the model in [0, 1]). Volumes come from ``--images`` (NIfTI files, DICOM
+    series folders, folders holding them), else the split of the config's data.
+
+    The stream's ``spacing`` is the voxel size in mm along i, j, k of every volume it gives: distances in the 3-D
+    probes are millimetres (SPEC §11). Volumes of different voxel sizes (no spacing to resample to) are refused
+    in one line when read.
+    """
+    from vitlab.data.layouts import UNLABELLED, Sample
+    from vitlab.data.read_options import ReadOptions
+    from vitlab.data.volume_data import VolumeDataset, VolumeOptions, _volumes_under, volume_problem
+
+    in_chans, *size = models.input_size(loaded.model)
+    data = dict(loaded.data or {})
+    spacing = args.spacing or data.get("spacing")
+    if spacing is not None and (len(spacing) != 3 or min(spacing) <= 0):
+        raise ValueError(f"--spacing / data.spacing must be three voxel sizes > 0 in mm, got {list(spacing)}")
+    if args.images:
+        samples: list[Sample] = []
+        for path in map(Path, args.images):
+            problem = None if path.is_dir() else volume_problem(path)
+            if problem is not None:
+                raise ValueError(f"--images {path} {problem}")
+            found = _volumes_under(path) if path.is_dir() else [(path, None)]  # NIfTI files and series folders under it
+            samples += [Sample(p.resolve(), UNLABELLED, series_uid=uid) for p, uid in found]
+        if not samples:
+            raise ValueError(f"--images {' '.join(args.images)}: no volumes (.nii / .nii.gz files or folders of DICOM files)")
+        samples, labelled, class_names = samples[:count], False, None
+        read_options = ReadOptions(**{k: data[k] for k in ("window", "window_center", "window_width", "window_index") if k in data})
+        options = VolumeOptions("volume", intensity=data.get("intensity", "window"))
+    else:
+        if data.get("sample") != "volume":
+            data.update(sample="volume", volume_size=list(size))
+        dm = _data_module(data, in_chans=in_chans, augment="none", num_workers=0, volume_size=list(size), spacing=spacing)
+        samples = dm.samples(split)
+        labelled = getattr(dm, "has_labels", True)
+        if not samples and not labelled:
+            split, samples = "train", dm.samples("train")
+        if not samples:
+            raise ValueError(f"the data has no '{split}' volumes; choose --split among those present or pass --images")
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed))[:count].tolist()
+        samples = [samples[i] for i in order]
+        class_names = dm.class_names if labelled else None
+        options, read_options = dm.volume_options, dm.read_options
+    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, spacing, size, on_bad_file="error")
+    first = None if spacing is not None else tuple(float(v) for v in dataset.load_volume(0)[0].spacing)
+
+    def read(i: int) -> tuple[torch.Tensor, int | None, str]:
+        volume, label = dataset[i]
+        if first is not None:
+            own = tuple(float(v) for v in dataset.load_volume(i)[0].spacing) if i else first
+            if max(abs(a - b) / b for a, b in zip(own, first)) > 0.01:
+                mm = lambda size: " x ".join(f"{v:.4g}" for v in size)  # noqa: E731
+                raise ValueError(f"{samples[i].key}: voxel size {mm(own)} mm differs from {mm(first)} mm of {samples[0].key}; distances in "
+                                 "mm need one voxel size: pass --spacing MM MM MM (or set data.spacing) to resample every volume to it")
+        vol = volume.float().clamp(0, 1)
+        if vol.shape[0] != in_chans:
+            vol = vol[:1].repeat(in_chans, *[1] * (vol.ndim - 1))
+        return vol, (int(label) if labelled else None), samples[i].key
+
+    return ImageStream(len(samples), read, [0.0] * in_chans, [1.0] * in_chans, labelled, class_names,
+                       tuple(float(v) for v in (spacing or first)))
+
+
 def _finish(pixels, labels, names, class_names, mean, std) -> ImageBatch:
-    m = torch.tensor(mean).view(1, -1, 1, 1)
-    s = torch.tensor(std).view(1, -1, 1, 1)
+    shape = (1, -1) + (1,) * (pixels.ndim - 2)
+    m = torch.tensor(mean).view(shape)
+    s = torch.tensor(std).view(shape)
     return ImageBatch(pixels, (pixels - m) / s, labels, names, class_names)
 
 
@@ -427,13 +519,13 @@ class ProbeContext:
         assert self.loaded is not None, "this subcommand loads no model"
         return self.loaded.model
 
-    def images(self, default_count: int, split: str | None = None) -> ImageBatch:
+    def images(self, default_count: int, split: str | None = None, volumes: bool = False) -> ImageBatch:
         assert self.loaded is not None
-        return load_images(self.args, self.loaded, default_count, split)
+        return load_images(self.args, self.loaded, default_count, split, volumes)
 
-    def image_stream(self, default_count: int, split: str | None = None) -> ImageStream:
+    def image_stream(self, default_count: int, split: str | None = None, volumes: bool = False) -> ImageStream:
         assert self.loaded is not None
-        return image_stream(self.args, self.loaded, default_count, split)
+        return image_stream(self.args, self.loaded, default_count, split, volumes)
 
     def load_second_model(self, prefix: str) -> LoadedModel:
         return load_model(self.args, prefix=prefix, device=str(self.device))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab import models
-from vitlab.probes.common import ProbeContext, add_common_arguments, add_model_arguments
+from vitlab.probes.common import ProbeContext, add_common_arguments, add_model_arguments, planar_input
 from vitlab.probes.invert import enlarge
 from vitlab.outputs.images import colorize, hstack_panels, image_grid
 from vitlab.outputs.files import write_csv, write_json
@@ -145,6 +145,7 @@ def run(ctx: ProbeContext) -> None:
     args = ctx.args
     if args.components < 1 or args.max_filters < 1:
         raise ValueError(f"--components and --max-filters must be >= 1, got {args.components} and {args.max_filters}")
+    planar_input(ctx.model, ctx.loaded.source)  # the filters are drawn as 2-D patches
     second_given = any(getattr(args, f"second_{key}") is not None for key in ("checkpoint", "config", "model"))
     first = report(ctx, "model", ctx.model, args)
     results = [first]
