@@ -15,7 +15,7 @@ import pytest
 from nibabel.processing import resample_from_to
 from scipy.ndimage import map_coordinates
 
-from vitlab.data.resample import crop_or_pad, resample
+from vitlab.data.resample import crop_at, crop_or_pad, resample
 from vitlab.data.volume import Volume
 
 
@@ -201,3 +201,18 @@ def test_bad_arguments_one_line(call, name):
     with pytest.raises(ValueError, match=rf"^{name} must be ") as caught:
         call(volume)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_crop_at_is_the_block_at_its_origin_in_world_space(seed):
+    rng = np.random.default_rng(700 + seed)
+    volume = random_volume(rng, shape=tuple(rng.integers(6, 12, size=3)))
+    size = [int(rng.integers(1, n + 1)) for n in volume.shape]
+    origin = [int(rng.integers(0, n - s + 1)) for n, s in zip(volume.shape, size)]
+    out = crop_at(volume, origin, size)
+    np.testing.assert_array_equal(out.array, volume.array[tuple(slice(o, o + s) for o, s in zip(origin, size))])
+    coords = old_coordinates(volume, out)  # every new voxel's centre is the old voxel it was cut from
+    expected = np.stack(np.meshgrid(*[np.arange(o, o + s) for o, s in zip(origin, size)], indexing="ij"))
+    np.testing.assert_allclose(coords, expected, atol=1e-9)
+    with pytest.raises(ValueError, match=r"crop_at: origin .* must lie inside the volume's"):
+        crop_at(volume, [volume.shape[0] - size[0] + 1, 0, 0], size)

@@ -245,3 +245,84 @@ def test_unlabelled_volumes_and_a_gzip_check(tmp_path):
     images, labels = next(iter(data.train_dataloader()))
     assert images.shape == (4, 3, 8, 8) and (labels == -1).all() and len(data.samples("train")) == 12
     assert gzip.open(tmp_path / "scans" / "s0" / "ct.nii.gz").read(4)  # (the data is untouched)
+
+
+def patch_volumes(root: Path, patients: int = 4, shape=(20, 18, 10)) -> Path:
+    """Volumes with one small lesion each (a 3 x 3 x 2 block at a random place) and their label maps, in a manifest."""
+    rng = np.random.default_rng(11)
+    rows = []
+    for p in range(patients):
+        array = rng.uniform(0, 1000, shape).astype(np.float32)
+        mask = np.zeros(shape, np.uint8)
+        corner = [int(rng.integers(0, n - s)) for n, s in zip(shape, (3, 3, 2))]
+        mask[corner[0]:corner[0] + 3, corner[1]:corner[1] + 3, corner[2]:corner[2] + 2] = 1
+        nifti(root / f"v{p}.nii.gz", array, np.diag([0.8, 0.8, 2.5, 1.0]))
+        nifti(root / f"m{p}.nii.gz", mask, np.diag([0.8, 0.8, 2.5, 1.0]))
+        rows.append({"path": f"v{p}.nii.gz", "mask": f"m{p}.nii.gz", "label": "ab"[p % 2], "patient_id": f"P{p}"})
+    return manifest(root, rows)
+
+
+def test_random_patches_are_blocks_of_the_whole_volume_keyed_by_seed_epoch_index(tmp_path):
+    from vitlab.data.dense_data import DenseImageData
+    from vitlab.data.sampling import KeyedAugmentation
+
+    root = patch_volumes(tmp_path)
+    common = dict(sample="volume", volume_size=[20, 18, 10], window_center=500, window_width=1000, val_fraction=0.5, seed=3)
+    whole = DenseImageData(str(root), **common).dataset("train")
+    data = DenseImageData(str(root), **common, patch_size=[8, 8, 4], patch_foreground=1.0)
+    patches = KeyedAugmentation(data.dataset("train", augmented=True), seed=3)
+    assert data.dataset("val")[0][0].shape == (1, 20, 18, 10)  # validation keeps whole volumes
+    seen = set()
+    for index in range(len(whole)):
+        image, target = whole[index]
+        for epoch in range(3):
+            patch, patch_target = patches[index, epoch]
+            assert patch.shape == (1, 8, 8, 4) and patch_target["mask"].shape == (8, 8, 4)
+            assert patch_target["mask"].sum() > 0  # patch_foreground 1: centred on the lesion
+            # the patch is the block of the whole volume (values and labels) at some origin
+            hits = [(i, j, k) for i in range(13) for j in range(11) for k in range(7)
+                    if torch.equal(image[:, i:i + 8, j:j + 8, k:k + 4], patch)]
+            assert len(hits) == 1
+            i, j, k = hits[0]
+            assert torch.equal(target["mask"][i:i + 8, j:j + 8, k:k + 4], patch_target["mask"])
+            seen.add((index, hits[0]))
+            again, _ = KeyedAugmentation(data.dataset("train", augmented=True), seed=3)[index, epoch]  # a fresh worker
+            assert torch.equal(again, patch)
+    assert len(seen) > len(whole)  # the epochs draw different patches
+
+
+def test_patch_foreground_is_the_share_of_patches_centred_on_a_lesion(tmp_path):
+    from vitlab.data.dense_data import DenseImageData
+    from vitlab.data.sampling import KeyedAugmentation
+
+    root = patch_volumes(tmp_path, shape=(40, 40, 12))
+    share = {}
+    for fraction in (0.0, 0.5):
+        data = DenseImageData(str(root), sample="volume", volume_size=[40, 40, 12], patch_size=[8, 8, 4], patch_foreground=fraction,
+                              window_center=500, window_width=1000, val_fraction=0.5)
+        patches = KeyedAugmentation(data.dataset("train", augmented=True), seed=0)
+        hits = [bool(patches[i, e][1]["mask"][4, 4, 2]) for i in range(len(patches)) for e in range(100)]  # the centre voxel
+        share[fraction] = sum(hits) / len(hits)
+    # uniform placement hits an 18-voxel lesion in a 40 x 40 x 12 volume about 18 / 19200 of the time
+    assert share[0.0] < 0.05 and 0.4 < share[0.5] < 0.6, share
+
+
+def test_patches_without_a_volume_size_and_bad_patch_options(tmp_path):
+    from vitlab.data.dense_data import DenseImageData
+
+    root = patch_volumes(tmp_path)
+    data = DenseImageData(str(root), sample="volume", volume_size=None, patch_size=[24, 8, 4], window_center=500,
+                          window_width=1000, val_fraction=0.5, batch_size=2)
+    images, targets = next(iter(data.train_dataloader()))
+    assert images.shape == (2, 1, 24, 8, 4)  # i padded from 20 to the patch's 24
+    val = list(data.val_dataloader())
+    assert [batch[0].shape for batch in val] == [(1, 1, 20, 18, 10)] * 2  # whole volumes, one per batch
+    cases = [(dict(sample="volume", volume_size=[20, 18, 10], patch_size=[24, 8, 4]), r"data.patch_size \[24, 8, 4\] is larger than data.volume_size"),
+             (dict(sample="slab", patch_size=[8, 8, 4]), "data.patch_size applies to data.sample volume"),
+             (dict(sample="volume", volume_size=[20, 18, 10], patch_size=[8, 8]), "data.patch_size must be 3 positive voxel counts"),
+             (dict(sample="volume", volume_size=[20, 18, 10], patch_size=[8, 8, 4], patch_foreground=1.5), r"data.patch_foreground must be a probability in \[0, 1\]"),
+             (dict(sample="volume", volume_size=None), r"needs data.volume_size: .*or null with data.patch_size"),
+             (dict(patch_size=[8, 8, 4]), "data.patch_size apply to volumes|apply to volumes")]
+    for kwargs, expected in cases:
+        with pytest.raises(ValueError, match=expected):
+            DenseImageData(str(root), **kwargs)

@@ -75,7 +75,8 @@ def test_sliding_window_validation_equals_a_direct_forward_when_the_volume_fits_
 
 
 @pytest.mark.slow
-def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path):
+@pytest.mark.parametrize("patches", [False, True], ids=["whole", "patches"])
+def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path, patches):
     from tests.training.test_classification import events, tiny_args
     from vitlab.cli import fit
     from vitlab.data.synthetic_volumes import generate_volumes
@@ -86,6 +87,8 @@ def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path)
              "--model.sliding_window", "[32, 32, 32]", "--data.sample", "volume", "--data.spacing", "[1.4, 1.4, 2.5]",
              "--data.volume_size", "[32, 32, 32]", "--data.mask_classes", "[lesion]", "--data.window", "soft_tissue",
              "--data.augment", "none", "--data.val_fraction", "0.5", "--data.batch_size", "2"]
+    if patches:  # training on random 32^3 patches of each volume at its own resampled size; validation on whole volumes
+        extra += ["--data.volume_size", "null", "--data.patch_size", "[32, 32, 32]", "--data.patch_foreground", "0.5"]
     cli = fit(tiny_args(manifest, tmp_path / "runs", epochs=1, extra=extra))
     run = tmp_path / "runs" / "tiny" / "version_0"
     acc = events(run)
@@ -93,3 +96,6 @@ def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path)
     assert {"val/dice_lesion", "val/iou_lesion", "drift/rel_frobenius/stage0.block0.q", "spectra/positive_mass/stage3.block1"} <= tags
     assert "val/segmentation" in acc.Tags()["images"] and (run / "qkv" / "epoch_001.safetensors").is_file()
     assert cli.model.model.__class__.__name__ == "SwinUNETR"
+    if patches:
+        assert [batch[0].shape for batch in cli.datamodule.val_dataloader()] == [(1, 1, 16, 16, 8)] * 2  # 32 x 32 x 8 at 1.4 mm
+        assert next(iter(cli.datamodule.train_dataloader()))[0].shape == (2, 1, 32, 32, 32)

@@ -102,6 +102,11 @@ class MedicalImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def set_random_state(self, rng: np.random.Generator, py_rng) -> None:
+        """Seeds every random draw of the next item (:class:`~vitlab.data.sampling.KeyedAugmentation`): here the
+        transform's; a dataset with draws of its own (volume patches) takes them from ``rng`` too."""
+        self.transform.set_random_state(rng, py_rng)
+
     def load_array(self, index: int) -> np.ndarray:
         """Decoded, windowed float32 image in [0, 1], (H, W) or (H, W, 3), from the cache if enabled; the slice or
         slab (H, W, C) of a volume sample, from ``volumes``."""

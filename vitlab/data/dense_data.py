@@ -56,11 +56,7 @@ class DenseImageData(ImageData):
         """Image + mask dataset of one split; ``augmented`` moves the masks with the image. Whole volumes
         (``sample: volume``): their label maps on the resampled grid (:class:`~vitlab.data.volume_data.VolumeDataset`)."""
         if self.volume_options is not None and self.volume_options.sample == "volume":
-            from vitlab.data.volume_data import VolumeDataset
-
-            return VolumeDataset(self.samples(split), self.class_names, self.volume_options, self.read_options, self.spacing,
-                                 self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
-                                 num_mask_classes=self.num_mask_classes)
+            return self.volume_dataset(self.samples(split), augmented, self.num_mask_classes)
         return DenseDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,

@@ -24,6 +24,22 @@ from vitlab.data.transforms import eval_transform, normalization_stats, seed_wor
 from vitlab.data.volume_data import MASK_CLASSES, VolumeDataset, VolumeOptions, VolumeStore, check_volumes, scan_volumes
 
 
+def _check_patches(sample: str, patch_size, patch_foreground, volume_size) -> None:
+    """One line for a ``data.patch_size`` / ``data.patch_foreground`` the volumes cannot take."""
+    if patch_size is None:
+        return
+    if sample != "volume":
+        raise ValueError(f"data.patch_size applies to data.sample volume (random 3-D training patches), not {sample!r}")
+    if not (isinstance(patch_size, (list, tuple)) and len(patch_size) == 3
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in patch_size)):
+        raise ValueError(f"data.patch_size must be 3 positive voxel counts (i, j, k), got {patch_size!r}")
+    if volume_size is not None and any(p > v for p, v in zip(patch_size, volume_size)):
+        raise ValueError(f"data.patch_size {list(patch_size)} is larger than data.volume_size {list(volume_size)} along some axis; "
+                         "a patch lies inside the volume (or set volume_size null to keep each volume's own size)")
+    if isinstance(patch_foreground, bool) or not isinstance(patch_foreground, (int, float)) or not 0 <= patch_foreground <= 1:
+        raise ValueError(f"data.patch_foreground must be a probability in [0, 1], got {patch_foreground!r}")
+
+
 class ImageData:
     """Medical images from class folders, a CSV manifest or the embedded synthetic CT set (see
     :class:`MedicalDataModule` for the LightningDataModule over it).
@@ -93,8 +109,14 @@ class ImageData:
             order visits the volumes this many at a time, so each is read once per epoch and process.
         spacing: ``sample: volume``: voxel size in mm (along i, j, k) every volume is resampled to (trilinear); None
             keeps each volume's own.
-        volume_size: ``sample: volume``: voxels along i, j, k after a centred crop / pad (required: a batch stacks
-            volumes of one shape).
+        volume_size: ``sample: volume``: voxels along i, j, k after a centred crop / pad (a batch stacks volumes of
+            one shape); null (only with ``patch_size``) keeps each volume's resampled size, and validation and test
+            then take one volume per batch (sliding-window inference, ``model.sliding_window``).
+        patch_size: ``sample: volume``: training items are random patches of this many voxels along i, j, k (MONAI's
+            ``RandCropByPosNegLabeld``), one per volume and epoch, a function of (seed, epoch, index); validation
+            and test keep whole volumes. None: training on whole volumes.
+        patch_foreground: With ``patch_size`` and label maps: the probability that a patch is centred on a random
+            lesion (foreground) voxel rather than placed uniformly (MONAI's ``pos / (pos + neg)``; default 0.5).
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
             a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
@@ -136,6 +158,8 @@ class ImageData:
         volumes_in_memory: int = 4,
         spacing: list[float] | None = None,
         volume_size: list[int] | None = None,
+        patch_size: list[int] | None = None,
+        patch_foreground: float = 0.5,
     ) -> None:
         embedded = embedded_options(embedded_kwargs)
         embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
@@ -166,8 +190,11 @@ class ImageData:
                 raise ValueError(f"data.in_chans {in_chans} does not match data.sample {sample!r} (slab_radius {slab_radius}): "
                                  f"its samples have {channels} channel(s); leave in_chans at 1")
             in_chans = channels
-            if sample == "volume" and not (volume_size and len(volume_size) == 3 and all(int(n) > 0 for n in volume_size)):
-                raise ValueError(f"data.sample volume needs data.volume_size: 3 positive voxel counts (i, j, k), got {volume_size!r}")
+            if sample == "volume" and not (volume_size and len(volume_size) == 3 and all(int(n) > 0 for n in volume_size)) \
+                    and not (volume_size is None and patch_size is not None):
+                raise ValueError(f"data.sample volume needs data.volume_size: 3 positive voxel counts (i, j, k) (or null with "
+                                 f"data.patch_size), got {volume_size!r}")
+            _check_patches(sample, patch_size, patch_foreground, volume_size)
             if spacing is not None and not (len(spacing) == 3 and all(float(s) > 0 for s in spacing)):
                 raise ValueError(f"data.spacing must be 3 positive numbers (mm along i, j, k) or null, got {spacing!r}")
             if unlabelled_root:
@@ -175,10 +202,11 @@ class ImageData:
                                  "give the unlabelled volumes as root with data.labels false")
         elif in_chans not in (1, 3):
             raise ValueError(f"in_chans must be 1 (grayscale) or 3 (colour), got {in_chans}")
-        elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None:
-            raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size apply to volumes: "
+        elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None or patch_size is not None:
+            raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size / data.patch_size apply to volumes: "
                              "set data.sample to slice, slab or volume")
         self.spacing, self.volume_size = spacing, volume_size
+        self.patch_size, self.patch_foreground = patch_size, patch_foreground
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
         self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
@@ -357,8 +385,7 @@ class ImageData:
         if labelled_only:
             samples = [s for s in samples if s.label != UNLABELLED]
         if self.volume_options is not None and self.volume_options.sample == "volume":
-            return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
-                                 self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths)
+            return self.volume_dataset(samples, augmented)
         return MedicalImageDataset(
             samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
@@ -367,6 +394,14 @@ class ImageData:
         )  # fmt: skip
 
     collate_fn = None  # (the dense data module's batches of targets)
+
+    def volume_dataset(self, samples: list[Sample], augmented: bool, num_mask_classes: int | None = None) -> VolumeDataset:
+        """Whole volumes of ``samples`` (``data.sample: volume``); ``augmented`` (training): random patches when
+        ``data.patch_size`` is set."""
+        return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
+                             self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
+                             num_mask_classes=num_mask_classes, patch_size=self.patch_size if augmented else None,
+                             patch_foreground=self.patch_foreground)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,
@@ -385,7 +420,7 @@ class ImageData:
 
             cv2.setNumThreads(1)
         return DataLoader(
-            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+            dataset, batch_size=self.batch_size if train or self.volume_size or not self.patch_size else 1, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
         )
 

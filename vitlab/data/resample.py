@@ -102,6 +102,18 @@ def crop_or_pad(volume: Volume, size: Sequence[int], *, fill: float = 0.0) -> Vo
     return _like(volume, array, affine)
 
 
+def crop_at(volume: Volume, origin: Sequence[int], size: Sequence[int]) -> Volume:
+    """The block of ``size`` voxels of ``volume`` whose voxel 0 is the old voxel ``origin`` (inside the grid: a
+    patch, not a pad); the affine moves so every kept voxel stays put in the world."""
+    origin, size = tuple(int(o) for o in origin), tuple(int(n) for n in size)
+    if len(origin) != 3 or len(size) != 3 or any(o < 0 or n < 1 or o + n > m for o, n, m in zip(origin, size, volume.shape)):
+        raise ValueError(f"crop_at: origin {origin} + size {size} must lie inside the volume's {volume.shape} voxels")
+    array = volume.array[tuple(slice(o, o + n) for o, n in zip(origin, size))]
+    affine = volume.affine.copy()
+    affine[:3, 3] = volume.affine[:3, :3] @ np.asarray(origin, dtype=np.float64) + volume.affine[:3, 3]
+    return _like(volume, np.ascontiguousarray(array), affine)
+
+
 def _three(values) -> tuple | None:
     """``values`` as a 3-tuple (from a list, tuple, array or config list), or None when it is not 3 items."""
     if isinstance(values, (str, bytes)):

@@ -74,8 +74,8 @@ class EpochSampler(Sampler):
 
 
 class KeyedAugmentation(Dataset):
-    """``dataset[index]`` with ``dataset.transform`` (an albumentations ``Compose``) drawing from one generator seeded
-    with (seed, epoch, index).
+    """``dataset[index]`` with ``dataset.transform`` (an albumentations ``Compose``) and any draws of the dataset's own
+    (``dataset.set_random_state``, e.g. volume patches) from one generator seeded with (seed, epoch, index).
 
     One generator shared by every transform of the pipeline (``Compose.set_random_state``), not
     ``Compose.set_random_seed``: that gives each transform its own generator with the same seed, so transforms
@@ -92,5 +92,9 @@ class KeyedAugmentation(Dataset):
     def __getitem__(self, item: tuple[int, int]):
         index, epoch = item
         seed = mixed_seed(self.seed, epoch, index)
-        self.dataset.transform.set_random_state(np.random.default_rng(seed), random.Random(seed))
+        rng, py_rng = np.random.default_rng(seed), random.Random(seed)
+        if hasattr(self.dataset, "set_random_state"):
+            self.dataset.set_random_state(rng, py_rng)
+        else:
+            self.dataset.transform.set_random_state(rng, py_rng)
         return self.dataset[index]

@@ -297,11 +297,18 @@ class VolumeDataset(MedicalImageDataset):
     """Whole volumes (``data.sample: volume``): each resampled to ``spacing`` mm (trilinear, :func:`resample`),
     cropped / padded about its centre to ``size`` voxels, values through :func:`intensities`; items are
     ``(tensor (1, I, J, K), label)`` in the volume's array axes (MONAI's channel-first layout). Bad volumes are
-    skipped as images are (:meth:`first_good`); no augmentation yet (``transform`` is an empty pipeline so
-    that the keyed training order applies unchanged).
+    skipped as images are (:meth:`first_good`). ``size`` None keeps each volume's resampled size (batches of
+    one, or patches).
 
     With ``num_mask_classes`` (segmentation) items are ``(tensor, {"mask": (I, J, K) int64})``: the label map
     resampled with nearest neighbours onto the same grid and padded with background.
+
+    With ``patch_size`` (training) each item is a random patch of that many voxels of the volume (padded first
+    where smaller), as MONAI's ``RandCropByPosNegLabeld`` draws them: with probability ``patch_foreground`` the
+    patch is centred on a random foreground voxel of the label map (when it has one), else placed uniformly
+    (shifted inside the volume). The draws come from the generator :meth:`set_random_state` gives, which
+    :class:`~vitlab.data.sampling.KeyedAugmentation` seeds with (seed, epoch, index): whatever the loader
+    workers, one patch per sample and epoch.
 
     Args:
         samples: One per volume (``slice`` None).
@@ -309,21 +316,53 @@ class VolumeDataset(MedicalImageDataset):
         options: The volume options (intensity).
         read_options: The window.
         spacing: Voxel size in mm along i, j, k; None keeps each volume's own.
-        size: Voxels along i, j, k after crop / pad.
+        size: Voxels along i, j, k after crop / pad; None keeps each volume's size.
         on_bad_file: ``"skip"`` or ``"error"``.
         bad_paths: The set that collects volumes skipped at load time.
         num_mask_classes: Foreground classes of the label maps (segmentation); None: items carry the volume's label.
+        patch_size: Voxels along i, j, k of a random training patch; None: the whole (cropped / padded) volume.
+        patch_foreground: Probability that a patch is centred on a foreground voxel (segmentation).
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], options: VolumeOptions,
-                 read_options: ReadOptions, spacing: Sequence[float] | None, size: Sequence[int], *,
-                 on_bad_file: str = "skip", bad_paths: set[str] | None = None, num_mask_classes: int | None = None) -> None:
+                 read_options: ReadOptions, spacing: Sequence[float] | None, size: Sequence[int] | None, *,
+                 on_bad_file: str = "skip", bad_paths: set[str] | None = None, num_mask_classes: int | None = None,
+                 patch_size: Sequence[int] | None = None, patch_foreground: float = 0.5) -> None:
         import albumentations as A
 
         super().__init__(samples, class_names, A.Compose([]), read_options=read_options, on_bad_file=on_bad_file,
                          bad_paths=bad_paths)
-        self.options, self.spacing, self.size = options, spacing, tuple(size)
+        self.options, self.spacing = options, spacing
+        self.size = None if size is None else tuple(int(n) for n in size)
         self.num_mask_classes = num_mask_classes
+        self.patch_size = None if patch_size is None else tuple(int(n) for n in patch_size)
+        self.patch_foreground = float(patch_foreground)
+        self.rng = np.random.default_rng(0)  # reseeded per item by KeyedAugmentation
+
+    def set_random_state(self, rng: np.random.Generator, py_rng) -> None:
+        super().set_random_state(rng, py_rng)
+        self.rng = rng
+
+    def draw_patch(self, volume, mask):
+        """A random ``patch_size`` block of ``volume`` (padded with its lowest value where smaller) and the same
+        block of ``mask`` (None without one), drawn from ``self.rng`` (see the class docstring)."""
+        from vitlab.data.resample import crop_at, crop_or_pad
+
+        patch = np.asarray(self.patch_size)
+        if np.any(patch > np.asarray(volume.shape)):
+            grown = tuple(int(n) for n in np.maximum(patch, volume.shape))
+            volume = crop_or_pad(volume, grown, fill=float(volume.array.min()))
+            mask = None if mask is None else crop_or_pad(mask, grown, fill=0.0)
+        high = np.asarray(volume.shape) - patch  # origins 0..high along each axis
+        centred = self.rng.random() < self.patch_foreground  # drawn for every patch: the stream does not depend on the mask
+        pick = self.rng.random()
+        origin = np.array([self.rng.integers(0, h + 1) for h in high])
+        if mask is not None and centred:
+            foreground = np.flatnonzero(mask.array > 0.5)
+            if foreground.size:
+                centre = np.array(np.unravel_index(foreground[min(int(pick * foreground.size), foreground.size - 1)], mask.shape))
+                origin = np.clip(centre - patch // 2, 0, high)
+        return crop_at(volume, origin, patch), None if mask is None else crop_at(mask, origin, patch)
 
     def load_volume(self, index: int):
         """The resampled, cropped / padded :class:`~vitlab.data.volume.Volume` of sample ``index`` (values: HU) and
@@ -341,7 +380,9 @@ class VolumeDataset(MedicalImageDataset):
             volume = resample(volume, self.spacing, mode="linear")
             mask = None if mask is None else resample(mask, self.spacing, mode="nearest", fill=0.0)
         fill = float(volume.array.min())  # outside the field of view: the volume's lowest value (air in CT)
-        return crop_or_pad(volume, self.size, fill=fill), None if mask is None else crop_or_pad(mask, self.size, fill=0.0)
+        if self.size is not None:
+            volume, mask = crop_or_pad(volume, self.size, fill=fill), None if mask is None else crop_or_pad(mask, self.size, fill=0.0)
+        return volume, mask
 
     def _item(self, index: int):
         import torch
@@ -349,7 +390,12 @@ class VolumeDataset(MedicalImageDataset):
         from vitlab.data.dataset import finite_tensor
 
         volume, mask = self.load_volume(index)
-        values = intensities(volume.array, self.read_options, self.options.intensity)  # (I, J, K)
+        values = intensities(volume.array, self.read_options, self.options.intensity)  # (I, J, K), of the whole volume
+        if self.patch_size is not None:
+            from vitlab.data.volume import Volume
+
+            patch, mask = self.draw_patch(Volume(values, volume.affine), mask)
+            values = patch.array
         tensor = finite_tensor(self.samples[index].path, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None])
         if mask is None:
             return tensor, self.labels[index]  # (1, I, J, K)
