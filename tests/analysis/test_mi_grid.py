@@ -75,11 +75,13 @@ def smooth_volume_acts(n, grid, channels, g):
 
 
 @pytest.mark.parametrize("estimator", ["copula", "binned"])
-def test_mi_vs_distance_on_a_volume_grid_equals_per_pair_loop(estimator):
-    seed = random.Random(estimator).randint(0, 10_000)
+@pytest.mark.parametrize("shape", ["anisotropic", "isotropic"])
+def test_mi_vs_distance_on_a_volume_grid_equals_per_pair_loop(estimator, shape):
+    seed = random.Random(estimator + shape).randint(0, 10_000)
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     grid = (rng.randint(2, 4), rng.randint(2, 4), rng.randint(2, 3))
-    size = tuple(rng.uniform(1.0, 12.0) for _ in range(3))  # anisotropic mm
+    size = tuple(rng.uniform(1.0, 12.0) for _ in range(3))  # mm per token
+    size = size if shape == "anisotropic" else size[:1] * 3
     n, channels = 120, 5
     acts = smooth_volume_acts(n, grid, channels, g).float()
     curves = mi_vs_distance(acts, grid, centre_channels=3, cross_channels=3, estimator=estimator,

@@ -408,8 +408,9 @@ def mi_vs_distance(
     mi_same_kt[:, t0] = 0.0
     same_per_channel = _distance_means(mi_same_kt, index, same_counts)  # (K, D)
 
-    valid = (cross.unsqueeze(0) != centres.unsqueeze(1)).to(torch.float64)  # (K, C')
-    cross_kt = (mi_cross_ktc * valid.unsqueeze(1)).sum(-1) / valid.sum(-1, keepdim=True)  # (K, T)
+    valid = cross.unsqueeze(0) != centres.unsqueeze(1)  # (K, C')
+    # where, not a product: a centre's pair with itself at t0 can have r = 1 exactly, MI = inf, and inf * 0 is NaN
+    cross_kt = torch.where(valid.unsqueeze(1), mi_cross_ktc, 0.0).sum(-1) / valid.sum(-1, keepdim=True)  # (K, T)
     cross_per_channel = _distance_means(cross_kt, index, counts.to(torch.float64))  # (K, D)
     return MIDistanceCurves(
         distances=distances,
