@@ -81,13 +81,17 @@ def recorded(run, views, sites, split="val", count=10):
 
 
 @pytest.mark.parametrize("family", ["vit3d", pytest.param("unetr", marks=pytest.mark.slow), pytest.param("swin_unetr", marks=pytest.mark.slow)])
-def test_mi_on_volumes_distances_in_mm(tmp_path, runs, family):
+def test_mi_on_volumes_distances_in_mm(tmp_path, runs, family, monkeypatch, capsys):
     run = runs(family)
     out = tmp_path / "mi"
+    monkeypatch.setattr(mi_probe, "LARGE_TABLE_BYTES", 1000)  # the size note names the largest table
     main(["mi", "--checkpoint", str(run.checkpoint), "--out", str(out), "--num-images", "10", "--blocks", *BLOCKS[family],
           "--centre-channels", "3", "--cross-channels", "2", "--binned-channels", "2", "--binned-cross-channels", "1", "--bins", "3",
           "--ksg-pairs", "4", "--precision", "fp32", "--batch-size", "4"])
     views = {v.name: v for v in models.select_blocks(run.model, BLOCKS[family])}
+    tokens = max(math.prod(v.grid) for v in views.values())
+    width = min(5, min(v.dim for v in views.values() if math.prod(v.grid) == tokens))  # K + C' channels kept
+    assert f"keeps 10 images x {tokens} tokens x {width} channels = " in capsys.readouterr().out
     rows, checks = read_csv(out / "mi.csv"), read_csv(out / "mi_ksg.csv")
     assert "distance_mm" in rows[0] and "distance" not in rows[0] and "distance_mm" in checks[0]
     assert {(r["layer"], r["sublayer"]) for r in rows} == {(name, site) for name in views for site in ("attn", "mlp")}

@@ -214,6 +214,7 @@ def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neu
                 keep = torch.randperm(width, generator=generator)[:channels_kept].sort().values if width > channels_kept else torch.arange(width)
                 keeps[(view.name, site)] = keep
                 neurons.add((view.name, site), acts.shape[1], keep)
+    note_large_tables(neurons)
     grids: dict[str, tuple[int, ...]] = {}
     batches = stream.batches(ctx.args.batch_size)
     for rec in record_batches(ctx.model, batches, sites, views, ctx.args.batch_size, ctx.device, "mi: recording", dtype=torch.float16, channels=keeps, total=stream.count, autocast=autocast):
@@ -222,6 +223,20 @@ def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neu
             for site in sites:
                 neurons.write((view.name, site), rec.start, rec.capture[view.name, site])  # (b, T, U) fp16
     return grids
+
+
+LARGE_TABLE_BYTES = 2 << 30
+
+
+def note_large_tables(neurons: "NeuronStore") -> None:
+    """One line when a (block, site) table is large (a 3-D model's early stages: SwinUNETR's first grid at a 96^3 input
+    has 48^3 tokens): the estimate holds that table and about twice it as normal scores in memory at once."""
+    key, (_, (tokens, width), _) = max(neurons.tables.items(), key=lambda item: item[1][1][0] * item[1][1][1])
+    size = neurons.total * tokens * width * 2
+    if size > LARGE_TABLE_BYTES:
+        print(f"probe.py mi: {key[0]} {key[1]} keeps {neurons.total} images x {tokens} tokens x {width} channels = {size / 2**30:.1f} GiB (fp16, "
+              f"in a file); its estimate needs about 3x that in memory: --blocks (later stages have fewer tokens), fewer --num-images "
+              "or --centre-channels / --cross-channels lower it")
 
 
 def estimate(acts: torch.Tensor, grid: tuple[int, ...], args: argparse.Namespace, seed: int,
