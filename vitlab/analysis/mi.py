@@ -28,6 +28,10 @@ __all__ = [
     "ksg_mi",
     "mi_vs_distance",
     "MIDistanceCurves",
+    "distance_classes",
+    "centre_token",
+    "token_offsets",
+    "token_size_mm",
     "average_ranks",
     "equal_frequency_bins",
     "binned_mi_from_bins",
@@ -36,6 +40,7 @@ __all__ = [
 ]
 
 _PAIR_CHUNK_ELEMENTS = 1 << 22  # binned MI: pairs x samples handled at once
+_SAME_DISTANCE_RTOL = 1e-9  # token-size distances closer than this (relative) are one distance class
 
 
 def _check_xy(x: Tensor, y: Tensor, fn: str, min_n: int = 3) -> tuple[Tensor, Tensor, bool]:
@@ -166,10 +171,11 @@ def ksg_mi(x: Tensor, y: Tensor, k: int = 3, random_state: int = 0) -> Tensor:
 
 @dataclass(frozen=True)
 class MIDistanceCurves:
-    """MI between a centre neuron and the others, against the spatial distance in tokens.
+    """MI between a centre neuron and the others, against the spatial distance from the centre token.
 
     Attributes:
-        distances: (D,) float64 sorted distinct distances sqrt(dr^2 + dc^2) from the centre token.
+        distances: (D,) float64 sorted distinct distances from the centre token: sqrt(sum of squared offsets) in
+            tokens, or in the unit of ``token_size`` (millimetres for volumes) when one was given.
         mi_same: (D,) mean MI with the same channel at that distance, averaged over the centre channels
             (NaN at distance 0: that pair is the neuron itself).
         mi_cross: (D,) the same for the other channels (NaN when no other channel was sampled).
@@ -177,6 +183,7 @@ class MIDistanceCurves:
         mi_same_per_channel: (K, D) the same-channel curve of every centre channel.
         centre_channels: (K,) int64 channels used as centres.
         cross_channels: (C',) int64 channels the cross curve draws from (a centre is never paired with itself).
+        token_size: size of a token along each grid axis (e.g. mm), or None: distances in tokens.
     """
 
     distances: Tensor
@@ -186,6 +193,74 @@ class MIDistanceCurves:
     mi_same_per_channel: Tensor
     centre_channels: Tensor
     cross_channels: Tensor
+    token_size: tuple[float, ...] | None = None
+
+
+def token_size_mm(input_size: tuple[int, ...], spacing: tuple[float, ...], grid: tuple[int, ...]) -> tuple[float, ...]:
+    """Size of one token in mm along each axis: input voxels x voxel size (mm) / tokens along that axis.
+
+    Args:
+        input_size: voxels of the model input along i, j, k.
+        spacing: voxel size in mm along i, j, k.
+        grid: tokens along i, j, k (the block's token grid).
+    """
+    if not len(input_size) == len(spacing) == len(grid):
+        raise ValueError(f"token_size_mm: input size {tuple(input_size)}, spacing {tuple(spacing)} and grid {tuple(grid)} need one entry per axis")
+    return tuple(float(size) * float(mm) / int(g) for size, mm, g in zip(input_size, spacing, grid))
+
+
+def centre_token(grid: tuple[int, ...]) -> int:
+    """Row-major index of the centre token (g // 2 along every axis): (H//2)*W + W//2 in 2-D."""
+    index = 0
+    for g in grid:
+        index = index * g + g // 2
+    return index
+
+
+def token_offsets(grid: tuple[int, ...], device: torch.device | str | None = None) -> Tensor:
+    """(T, A) int64 offsets of every token (row-major over ``grid``) from the centre token, per axis."""
+    axes = [torch.arange(g, device=device) - g // 2 for g in grid]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(grid))
+
+
+def distance_classes(
+    grid: tuple[int, ...], token_size: tuple[float, ...] | None = None, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tokens of an N-D grid grouped by their distance from the centre token.
+
+    Without ``token_size`` the classes are those of the integer squared distance sum(offset^2) (exact), as in
+    2-D. With one, the distance is sqrt(sum_a (size_a * offset_a)^2): tokens are grouped exactly on the integer
+    squared offsets summed over the axes of equal size (the classes of an isotropic grid are those of the integer
+    distance), then classes whose distances agree to 1e-9 (relative) are merged (commensurable sizes such as
+    1 mm x 2 offsets and 2 mm x 1 offset give one distance).
+
+    Returns:
+        distances (D,) float64 sorted, index (T,) int64 class of every token, counts (D,) int64.
+    """
+    offsets = token_offsets(grid, device)  # (T, A)
+    if token_size is None:
+        squared, scale = (offsets**2).sum(1, keepdim=True), torch.ones(1, dtype=torch.float64, device=offsets.device)
+    else:
+        if len(token_size) != len(grid) or min(token_size) <= 0:
+            raise ValueError(f"token size {tuple(token_size)} must be one positive size per axis of the grid {tuple(grid)}")
+        sizes = sorted(set(float(s) for s in token_size))
+        group = torch.tensor([sizes.index(float(s)) for s in token_size], device=offsets.device)  # (A,) axis -> size group
+        squared = torch.zeros(offsets.shape[0], len(sizes), dtype=torch.int64, device=offsets.device)
+        squared.index_add_(1, group, offsets**2)  # (T, G) integer squared offsets per size group
+        scale = torch.tensor(sizes, dtype=torch.float64, device=offsets.device) ** 2  # (G,)
+    keys, index = torch.unique(squared, dim=0, return_inverse=True)  # exact classes
+    dist_sq = (keys.to(torch.float64) * scale).sum(1)  # (D0,)
+    order = torch.argsort(dist_sq)
+    sorted_sq = dist_sq[order]
+    new = torch.ones_like(sorted_sq, dtype=torch.bool)
+    new[1:] = (sorted_sq[1:] - sorted_sq[:-1]) > _SAME_DISTANCE_RTOL * sorted_sq[1:]  # merge equal distances
+    merged = torch.cumsum(new.long(), 0) - 1  # (D0,) sorted key -> merged class
+    key_class = torch.empty_like(merged)
+    key_class[order] = merged
+    index = key_class[index]
+    first = sorted_sq[new]  # the smallest squared distance of each merged class
+    counts = torch.bincount(index, minlength=first.numel())
+    return first.sqrt(), index, counts
 
 
 def _pick(total: int, count: int, generator: torch.Generator | None) -> Tensor:
@@ -239,26 +314,29 @@ def _copula_correlations(
     dot_cross = z_centre @ z.index_select(1, cross_pos).reshape(-1, n).T  # (K, T*C'): one matrix product
     # r = (a.b - N mean_a mean_b) / (|a - mean_a| |b - mean_b|): no centred copy of z is needed.
     mean_c, spread_c = mean[t0, centre_pos].unsqueeze(1), spread[t0, centre_pos].unsqueeze(1)  # (K, 1)
-    r_same = (dot_same.double() - n * mean_c * mean[:, centre_pos].T) / (spread_c * spread[:, centre_pos].T)
+    # a constant neuron (a token over a volume's padding; bf16 steps at N = 10) gets r = 0, not 0/0, as in gaussian_copula_mi
+    tiny = torch.finfo(torch.float64).tiny
+    r_same = (dot_same.double() - n * mean_c * mean[:, centre_pos].T) / (spread_c * spread[:, centre_pos].T).clamp_min(tiny)
     mean_x, spread_x = mean[:, cross_pos].reshape(1, -1), spread[:, cross_pos].reshape(1, -1)  # (1, T*C')
-    r_cross = (dot_cross.double() - n * mean_c * mean_x) / (spread_c * spread_x)
+    r_cross = (dot_cross.double() - n * mean_c * mean_x) / (spread_c * spread_x).clamp_min(tiny)
     return r_same, r_cross
 
 
 def mi_vs_distance(
     acts: Tensor,
-    grid: tuple[int, int],
+    grid: tuple[int, ...],
     centre_channels: int = 64,
     estimator: Literal["copula", "binned"] = "copula",
     generator: torch.Generator | None = None,
     cross_channels: int = 16,
     bins: int = 16,
     chunk: int | None = None,
+    token_size: tuple[float, ...] | None = None,
 ) -> MIDistanceCurves:
     """Mean MI between the centre token's neurons and all others, as a function of distance (seed 002).
 
     For each centre channel c0 (K of them, a random subset when C is larger), the centre neuron
-    (c0, t0), t0 = (H//2)*W + W//2, is paired with (c0, t) for every token t (same-channel curve) and with
+    (c0, t0), t0 = (H//2)*W + W//2 (in N-D: g//2 along every axis, row-major), is paired with (c0, t) for every token t (same-channel curve) and with
     (c, t) for every c != c0 in a random subset of ``cross_channels`` channels (cross-channel curve; a subset
     keeps the cost at K x T x C' pairs, and the mean over channels converges fast). Values are averaged over
     the tokens at each distance, then over the centre channels.
@@ -270,13 +348,17 @@ def mi_vs_distance(
     Args:
         acts: (N, T, C) activations of one sublayer over N images, prefix tokens already dropped; any float
             dtype (fp16 storage is fine: it is ranked in fp32).
-        grid: (H, W) token grid with H * W == T, tokens in row-major order.
+        grid: token grid with prod(grid) == T, tokens in row-major order: (H, W) for images, (I, J, K) for
+            volumes (any number of axes).
         centre_channels: K, the number of centre channels.
         estimator: "copula" (Gaussian copula) or "binned" (equal-frequency bins + Miller-Madow).
         generator: random source for the channel subsets (CPU generator).
         cross_channels: C', the number of channels sampled for the cross curve (0 disables it).
         bins: bins per variable for the binned estimator.
         chunk: columns per block when ranking (default: about 4M elements per block).
+        token_size: size of a token along each grid axis (for volumes: mm, :func:`token_size_mm`; may differ per
+            axis); distances are then sqrt(sum (size * offset)^2) in that unit (:func:`distance_classes`).
+            None: in tokens.
 
     Returns:
         :class:`MIDistanceCurves` (float64 curves, on ``acts``'s device).
@@ -284,8 +366,8 @@ def mi_vs_distance(
     if acts.ndim != 3:
         raise ValueError(f"mi_vs_distance: acts must be (N, T, C), got shape {tuple(acts.shape)}")
     n, tokens, channels = acts.shape
-    if len(grid) != 2 or grid[0] * grid[1] != tokens:
-        raise ValueError(f"mi_vs_distance: grid {tuple(grid)} must be (H, W) with H*W = T = {tokens} tokens")
+    if len(grid) < 1 or math.prod(grid) != tokens:
+        raise ValueError(f"mi_vs_distance: grid {tuple(grid)} must be (H, W) or (I, J, K) with product T = {tokens} tokens")
     if estimator not in ("copula", "binned"):
         raise ValueError(f"mi_vs_distance: estimator must be 'copula' or 'binned', got {estimator!r}")
     if centre_channels < 1 or cross_channels < 0 or n < 3:
@@ -294,8 +376,8 @@ def mi_vs_distance(
             f"{centre_channels}, {cross_channels}, N = {n}"
         )
     dev = acts.device
-    rows, cols = grid
-    t0 = (rows // 2) * cols + cols // 2
+    t0 = centre_token(grid)
+    distances, index, counts = distance_classes(grid, token_size, dev)  # fails early on a bad token size
     centres, cross = _pick(channels, centre_channels, generator), _pick(channels, cross_channels, generator)
     used, where = torch.unique(torch.cat([centres, cross]), return_inverse=True)  # union of channels
     centre_pos, cross_pos = where[: centres.numel()].to(dev), where[centres.numel() :].to(dev)
@@ -320,27 +402,23 @@ def mi_vs_distance(
             [_binned_pairs(b_centre[i].expand_as(by_cross), by_cross, bins) for i in range(k)]
         ).reshape(k, tokens, n_cross)  # (K, T, C')
 
-    # Token t sits at divmod(t, W); classes of equal squared distance (integers: exact grouping).
-    token = torch.arange(tokens, device=dev)
-    dist_sq = (token // cols - rows // 2) ** 2 + (token % cols - cols // 2) ** 2  # (T,)
-    dist_sq_unique, index = torch.unique(dist_sq, return_inverse=True)
-    counts = torch.bincount(index, minlength=dist_sq_unique.numel())  # (D,)
-
     same_counts = counts.clone().to(torch.float64)
     same_counts[index[t0]] -= 1  # the centre is not paired with itself
     mi_same_kt = mi_same_kt.clone()
     mi_same_kt[:, t0] = 0.0
     same_per_channel = _distance_means(mi_same_kt, index, same_counts)  # (K, D)
 
-    valid = (cross.unsqueeze(0) != centres.unsqueeze(1)).to(torch.float64)  # (K, C')
-    cross_kt = (mi_cross_ktc * valid.unsqueeze(1)).sum(-1) / valid.sum(-1, keepdim=True)  # (K, T)
+    valid = cross.unsqueeze(0) != centres.unsqueeze(1)  # (K, C')
+    # where, not a product: a centre's pair with itself at t0 can have r = 1 exactly, MI = inf, and inf * 0 is NaN
+    cross_kt = torch.where(valid.unsqueeze(1), mi_cross_ktc, 0.0).sum(-1) / valid.sum(-1, keepdim=True)  # (K, T)
     cross_per_channel = _distance_means(cross_kt, index, counts.to(torch.float64))  # (K, D)
     return MIDistanceCurves(
-        distances=dist_sq_unique.to(torch.float64).sqrt(),
+        distances=distances,
         mi_same=same_per_channel.mean(0),
         mi_cross=cross_per_channel.nanmean(0),
         counts=counts,
         mi_same_per_channel=same_per_channel,
         centre_channels=centres,
         cross_channels=cross,
+        token_size=None if token_size is None else tuple(float(v) for v in token_size),
     )

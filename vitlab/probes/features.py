@@ -23,6 +23,9 @@ the train features are scored on the evaluation features. With a second model (-
 ... or --second-untrained) the same is done for it (before vs after fine-tuning) and the linear CKA between the
 two models' representations of the same images is computed per block (pooled features, and all tokens of the
 first --cka-images images): activation-level drift beside the weight drift. features.csv, cka.csv, depth curves.
+3-D checkpoints (ViT-3D, UNETR, SwinUNETR): the run's labelled volumes (its data's class folders / manifest label,
+also for a segmentation checkpoint, whose own outputs are voxel logits), read as training reads them; tokens
+mean-pooled per block (ViT-3D: its class token under --pool auto).
 
 examples:
   python probe.py features --config runs/quickstart/version_0/config.yaml --second-untrained
@@ -66,7 +69,8 @@ def run(ctx) -> None:
         check_same_architecture(ctx.loaded, second)
         compared.append(("second", second))
     views = selected_blocks(ctx.model, args.blocks)
-    train, test = ctx.image_stream(DEFAULT_IMAGES, split="train"), ctx.image_stream(DEFAULT_IMAGES)  # read a batch at a time
+    # read a batch at a time; a 3-D model: its data's volumes, labelled by class folder / manifest label (any task)
+    train, test = ctx.image_stream(DEFAULT_IMAGES, split="train", volumes=True), ctx.image_stream(DEFAULT_IMAGES, volumes=True)
     if not train.labelled or not test.labelled:
         raise ValueError("probe.py features: the images carry no labels; use the embedded dataset or --config with a labelled data section")
 
@@ -131,14 +135,16 @@ def pool_name(view, pool: str) -> str:
 
 def extract(ctx, model: torch.nn.Module, images, views, desc: str, token_images: int) -> tuple[Features, torch.Tensor]:
     """Pooled block outputs of all images of the stream and the tokens of the first ``token_images`` (model's own
-    normalisation), and the images' labels; only one batch of images is in memory at a time."""
-    mean, std = models.normalization(model)
+    normalisation; volumes: as training gives them, the stream's), and the images' labels; only one batch of
+    images is in memory at a time."""
+    mean, std = (images.mean, images.std) if images.volumetric else models.normalization(model)
     labels: list[torch.Tensor] = []
 
     def inputs():
-        for pixels, batch_labels in images.pixel_batches(ctx.args.batch_size):
+        for pixels, batch_labels in images.pixel_batches(ctx.args.batch_size):  # (b, C, H, W); volumes (b, C, I, J, K)
             labels.append(batch_labels)
-            yield (pixels - torch.tensor(mean).view(1, -1, 1, 1)) / torch.tensor(std).view(1, -1, 1, 1)  # (b, C, H, W)
+            shape = (1, -1) + (1,) * (pixels.ndim - 2)
+            yield (pixels - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)
 
     pooled: dict[str, list[torch.Tensor]] = {view.name: [] for view in views}
     tokens: dict[str, list[torch.Tensor]] = {view.name: [] for view in views}

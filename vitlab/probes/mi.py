@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from vitlab.analysis.mi import binned_mi, gaussian_copula_mi, ksg_mi, mi_vs_distance
+from vitlab import models
+from vitlab.analysis.mi import binned_mi, centre_token, gaussian_copula_mi, ksg_mi, mi_vs_distance, token_offsets, token_size_mm
 from vitlab.probes.activations import SITE_CHOICES, add_recording_arguments, canonical_sites, block_label, record_batches, selected_blocks
 from vitlab.probes.common import add_common_arguments, progress
 from vitlab.outputs.files import write_csv
@@ -25,6 +26,8 @@ centre channels is paired with the same channel at every token (mi_same) and wit
 MI in nats, averaged over the tokens at each distance and over the centre channels. Gaussian-copula estimate,
 with equal-frequency bins + Miller-Madow beside it (flag_nonmonotone where binned exceeds it by > 0.05 nats) and KSG
 (sklearn) on a few random pairs. Writes a figure per block, mi.csv and mi_ksg.csv.
+3-D checkpoints (ViT-3D, UNETR, SwinUNETR): the centre token of the (I, J, K) grid, distances in millimetres between
+token centres (token size = input voxels x voxel size / tokens along each axis; column distance_mm instead of distance).
 Memory stays bounded: images are read one batch at a time and the kept neurons (N x tokens x (K + C') channels
 per block and sub-layer, fp16; 1.5 GB for ViT-B/16 at N = 2000) wait in a temporary file inside --out.
 On a CPU with native bf16 the forward runs under bf16 autocast (about 3x faster; --precision fp32 to turn it off).
@@ -57,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_neurons(ctx):
     """The image stream for MI, with the count rules: an explicit --num-images must be met; warn below 500."""
     requested = ctx.args.num_images
-    stream = ctx.image_stream(requested or DEFAULT_IMAGES)
+    stream = ctx.image_stream(requested or DEFAULT_IMAGES, volumes=True)  # a 3-D model: volumes, voxel size in mm
     count = stream.count
     if requested is not None and count < requested:
         raise ValueError(f"--num-images {requested}: the image source has only {count} images; lower --num-images or add images")
@@ -103,12 +106,23 @@ def run(ctx) -> None:
     sites = canonical_sites(args.sublayers)
     with tempfile.TemporaryDirectory(prefix=".mi-neurons-", dir=ctx.out) as spill, NeuronStore(Path(spill), count) as neurons:
         grids = record_neurons(ctx, stream, views, sites, args.centre_channels + args.cross_channels, neurons)
-        estimate_all(ctx, neurons, grids, views, sites, count)
+        sizes = token_sizes(ctx.model, grids, stream.spacing)
+        estimate_all(ctx, neurons, grids, views, sites, count, sizes)
 
 
-def estimate_all(ctx, neurons: "NeuronStore", grids: dict[str, tuple[int, int]], views, sites: list[str], count: int) -> None:
+def token_sizes(model, grids: dict[str, tuple[int, ...]], spacing: tuple[float, ...] | None) -> dict[str, tuple[float, ...] | None]:
+    """Per block, the token size in mm along i, j, k of a 3-D model's volumes (None for images: distances in tokens)."""
+    if spacing is None:
+        return {name: None for name in grids}
+    volume = tuple(models.input_size(model))[1:]  # (I, J, K) voxels
+    return {name: token_size_mm(volume, spacing, grid) for name, grid in grids.items()}
+
+
+def estimate_all(ctx, neurons: "NeuronStore", grids: dict[str, tuple[int, ...]], views, sites: list[str], count: int,
+                 sizes: dict[str, tuple[float, ...] | None] | None = None) -> None:
     """Estimate, write and draw block by block, reading one (block, site) table back at a time."""
     args = ctx.args
+    sizes = sizes or {}
 
     rows: list[dict[str, object]] = []
     checks: list[dict[str, object]] = []
@@ -120,12 +134,12 @@ def estimate_all(ctx, neurons: "NeuronStore", grids: dict[str, tuple[int, int]],
             acts, channels = neurons.pop((view.name, site))  # (N, T, U) fp16, (U,) original channel ids
             acts = acts.to(ctx.device)
             seed = args.seed * 1000 + view.global_index
-            result = estimate(acts, grids[view.name], args, seed)
+            result = estimate(acts, grids[view.name], args, seed, sizes.get(view.name))
             results[site] = result
             block_rows = result_rows(view, site, result, count, args.disagreement)
             flagged += sum(int(r["flag_nonmonotone"]) for r in block_rows)
             rows += block_rows
-            checks += ksg_check(acts, grids[view.name], channels, args.ksg_pairs, seed, args.bins, view.name, site)
+            checks += ksg_check(acts, grids[view.name], channels, args.ksg_pairs, seed, args.bins, view.name, site, sizes.get(view.name))
             by_stage[(site, view.stage)].append((view.name, result))
             write_scalars(ctx.writer, view, site, result)
         ctx.writer.add_figure(f"mi/{view.name}", block_figure(view, results, count), view.global_index)
@@ -178,12 +192,13 @@ class NeuronStore:
         self.file.close()
 
 
-def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neurons: NeuronStore) -> dict[str, tuple[int, int]]:
+def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neurons: NeuronStore) -> dict[str, tuple[int, ...]]:
     """Record the sub-layers over all images in batches, keeping a random subset of channels (fp16).
 
     The images are streamed (one batch in memory) and only the kept channels are copied out of the model.
 
-    Fills ``neurons`` (``{(block, site): ((N, T, U) fp16, (U,) channel ids)}``) and returns ``{block: (H, W) grid}``.
+    Fills ``neurons`` (``{(block, site): ((N, T, U) fp16, (U,) channel ids)}``) and returns ``{block: grid}``
+    ((H, W); volumes: (I, J, K)).
     """
     generator = torch.Generator().manual_seed(ctx.args.seed)
     autocast = forward_dtype(ctx.args.precision, ctx.device)
@@ -199,7 +214,8 @@ def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neu
                 keep = torch.randperm(width, generator=generator)[:channels_kept].sort().values if width > channels_kept else torch.arange(width)
                 keeps[(view.name, site)] = keep
                 neurons.add((view.name, site), acts.shape[1], keep)
-    grids: dict[str, tuple[int, int]] = {}
+    note_large_tables(neurons)
+    grids: dict[str, tuple[int, ...]] = {}
     batches = stream.batches(ctx.args.batch_size)
     for rec in record_batches(ctx.model, batches, sites, views, ctx.args.batch_size, ctx.device, "mi: recording", dtype=torch.float16, channels=keeps, total=stream.count, autocast=autocast):
         for view in views:
@@ -209,23 +225,40 @@ def record_neurons(ctx, stream, views, sites: list[str], channels_kept: int, neu
     return grids
 
 
-def estimate(acts: torch.Tensor, grid: tuple[int, int], args: argparse.Namespace, seed: int) -> dict[str, object]:
-    """Copula curves on K centre channels; binned curves and the copula on the same (smaller) channel set."""
-    copula = mi_vs_distance(acts, grid, args.centre_channels, "copula", torch.Generator().manual_seed(seed), args.cross_channels)
+LARGE_TABLE_BYTES = 2 << 30
+
+
+def note_large_tables(neurons: "NeuronStore") -> None:
+    """One line when a (block, site) table is large (a 3-D model's early stages: SwinUNETR's first grid at a 96^3 input
+    has 48^3 tokens): the estimate holds that table and about twice it as normal scores in memory at once."""
+    key, (_, (tokens, width), _) = max(neurons.tables.items(), key=lambda item: item[1][1][0] * item[1][1][1])
+    size = neurons.total * tokens * width * 2
+    if size > LARGE_TABLE_BYTES:
+        print(f"probe.py mi: {key[0]} {key[1]} keeps {neurons.total} images x {tokens} tokens x {width} channels = {size / 2**30:.1f} GiB (fp16, "
+              f"in a file); its estimate needs about 3x that in memory: --blocks (later stages have fewer tokens), fewer --num-images "
+              "or --centre-channels / --cross-channels lower it")
+
+
+def estimate(acts: torch.Tensor, grid: tuple[int, ...], args: argparse.Namespace, seed: int,
+             token_size: tuple[float, ...] | None = None) -> dict[str, object]:
+    """Copula curves on K centre channels; binned curves and the copula on the same (smaller) channel set
+    (``token_size``: mm per token along each axis of a volume's grid, distances in mm)."""
+    copula = mi_vs_distance(acts, grid, args.centre_channels, "copula", torch.Generator().manual_seed(seed), args.cross_channels, token_size=token_size)
     result: dict[str, object] = {"copula": copula, "binned": None, "matched": None}
     if args.binned_channels > 0:
-        pick = dict(centre_channels=args.binned_channels, cross_channels=args.binned_cross_channels)
+        pick = dict(centre_channels=args.binned_channels, cross_channels=args.binned_cross_channels, token_size=token_size)
         result["binned"] = mi_vs_distance(acts, grid, estimator="binned", generator=torch.Generator().manual_seed(seed + 1), bins=args.bins, **pick)
         result["matched"] = mi_vs_distance(acts, grid, estimator="copula", generator=torch.Generator().manual_seed(seed + 1), **pick)
     return result
 
 
 def result_rows(view, site: str, result: dict[str, object], count: int, threshold: float) -> list[dict[str, object]]:
-    """mi.csv rows of one block and sub-layer, one per distance."""
+    """mi.csv rows of one block and sub-layer, one per distance (``distance`` in tokens; volumes: ``distance_mm``)."""
     copula, binned, matched = result["copula"], result["binned"], result["matched"]
+    column = distance_column(copula.token_size)
     rows = []
     for i, distance in enumerate(copula.distances.tolist()):
-        row = {"layer": view.name, "block_index": view.global_index, "sublayer": site, "distance": distance, "tokens": int(copula.counts[i]),
+        row = {"layer": view.name, "block_index": view.global_index, "sublayer": site, column: distance, "tokens": int(copula.counts[i]),
                "mi_same": float(copula.mi_same[i]), "mi_cross": float(copula.mi_cross[i]), "mi_same_binned": math.nan, "mi_cross_binned": math.nan,
                "binned_minus_copula": math.nan, "flag_nonmonotone": 0, "n_images": count}
         if binned is not None:
@@ -239,14 +272,20 @@ def result_rows(view, site: str, result: dict[str, object], count: int, threshol
     return rows
 
 
-def ksg_check(acts: torch.Tensor, grid: tuple[int, int], channels: torch.Tensor, pairs: int, seed: int, bins: int, block: str, site: str) -> list[dict[str, object]]:
+def distance_column(token_size: tuple[float, ...] | None) -> str:
+    """The CSV column of the distance: ``distance`` (tokens, images) or ``distance_mm`` (volumes)."""
+    return "distance" if token_size is None else "distance_mm"
+
+
+def ksg_check(acts: torch.Tensor, grid: tuple[int, ...], channels: torch.Tensor, pairs: int, seed: int, bins: int, block: str, site: str,
+              token_size: tuple[float, ...] | None = None) -> list[dict[str, object]]:
     """Copula, binned and KSG MI of ``pairs`` random (centre neuron, other neuron) pairs (half same-channel)."""
     if pairs <= 0:
         return []
     n, tokens, width = acts.shape
     g = torch.Generator().manual_seed(seed + 2)
-    rows_h, cols_w = grid
-    t0 = (rows_h // 2) * cols_w + cols_w // 2
+    t0 = centre_token(grid)
+    offsets = token_offsets(grid).double() * torch.tensor(token_size or [1.0] * len(grid), dtype=torch.float64)  # (T, A) tokens or mm
     others = torch.tensor([t for t in range(tokens) if t != t0])
     out = []
     for p in range(pairs):
@@ -254,8 +293,8 @@ def ksg_check(acts: torch.Tensor, grid: tuple[int, int], channels: torch.Tensor,
         c1 = c0 if p % 2 == 0 or width == 1 else int(torch.randint(width, (1,), generator=g))
         t = int(others[torch.randint(others.numel(), (1,), generator=g)]) if others.numel() else t0
         x, y = acts[:, t0, c0].float().cpu(), acts[:, t, c1].float().cpu()  # (N,), (N,)
-        distance = math.hypot(t // cols_w - rows_h // 2, t % cols_w - cols_w // 2)
-        out.append({"layer": block, "sublayer": site, "centre_channel": int(channels[c0]), "channel": int(channels[c1]), "token": t, "distance": distance,
+        distance = math.hypot(*offsets[t].tolist())
+        out.append({"layer": block, "sublayer": site, "centre_channel": int(channels[c0]), "channel": int(channels[c1]), "token": t, distance_column(token_size): distance,
                     "mi_copula": float(gaussian_copula_mi(x, y)), "mi_binned": float(binned_mi(x, y, min(bins, n))), "mi_ksg": float(ksg_mi(x, y)), "n_images": n})
     return out
 
@@ -284,12 +323,23 @@ def block_figure(view, results: dict[str, dict[str, object]], count: int):
             ax.plot(d, curves.mi_same.cpu().numpy(), style, color="C0", marker="o", ms=marker_size, lw=1.4 if key == "copula" else 0.9, label=f"same channel, {label}")
             ax.plot(d, curves.mi_cross.cpu().numpy(), style, color="C1", marker="s", ms=marker_size, lw=1.4 if key == "copula" else 0.9, label=f"cross channel, {label}")
         ax.set_title(f"{site}", fontsize=9)
-        ax.set_xlabel("distance from the centre token (tokens)")
+        ax.set_xlabel(distance_label(result["copula"].token_size))
         ax.set_ylabel("MI (nats)")
         ax.legend(fontsize=6)
-    fig.suptitle(f"{block_label(view)}: MI with the centre neuron, N = {count} images", fontsize=10)
+    size = next(iter(results.values()))["copula"].token_size if results else None
+    fig.suptitle(f"{block_label(view)}: MI with the centre neuron, N = {count} {'volumes' if size else 'images'}{token_note(size)}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def distance_label(token_size: tuple[float, ...] | None) -> str:
+    """x-axis label: tokens for images, mm for volumes."""
+    return "distance from the centre token (tokens)" if token_size is None else "distance from the centre token (mm)"
+
+
+def token_note(token_size: tuple[float, ...] | None) -> str:
+    """``, token 11.2 x 11.2 x 10 mm`` for a title (nothing for images)."""
+    return "" if token_size is None else f", token {' x '.join(f'{v:.3g}' for v in token_size)} mm"
 
 
 def layers_figure(site: str, stage: int, curves: list[tuple[str, dict[str, object]]], count: int):
@@ -299,9 +349,10 @@ def layers_figure(site: str, stage: int, curves: list[tuple[str, dict[str, objec
     for color, (name, result) in zip(colors, curves):
         c = result["copula"]
         ax.plot(c.distances.cpu().numpy(), c.mi_same.cpu().numpy(), marker="o", ms=3, color=color, label=name.split(".", 1)[1])
-    ax.set_xlabel("distance from the centre token (tokens)")
+    ax.set_xlabel(distance_label(curves[0][1]["copula"].token_size) if curves else "distance from the centre token")
     ax.set_ylabel("MI (nats), same channel")
-    ax.set_title(f"{site}, stage {stage}: MI vs distance per block (N = {count})", fontsize=9)
+    size = curves[0][1]["copula"].token_size if curves else None
+    ax.set_title(f"{site}, stage {stage}: MI vs distance per block (N = {count}{token_note(size)})", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig

@@ -20,6 +20,9 @@ A neuron is one (channel, token) of a sub-layer output over N images; its excess
 convention: 0 for a Gaussian, > 0 for heavy tails) is accumulated batch by batch, so N is not limited by memory.
 Writes per block and sub-layer a histogram of the neurons' kurtosis and of sampled activations, depth curves of
 the median / 95th-percentile kurtosis, a distribution figure per sub-layer, and stats.csv.
+3-D checkpoints (ViT-3D, UNETR, SwinUNETR): the same over volumes (neurons are (channel, token) of the 3-D token
+grid; nothing here is spatial, so no distances). Tokens over a volume's padding can be constant: counted in
+constant_neurons, left out of the kurtosis summaries.
 
 example:
   python probe.py stats --checkpoint runs/quickstart/version_0/checkpoints/last.ckpt --sublayers attn mlp mlp_hidden
@@ -36,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ctx) -> None:
     args = ctx.args
-    stream = ctx.image_stream(DEFAULT_IMAGES)  # read a batch at a time: the moments are merged batch by batch
+    stream = ctx.image_stream(DEFAULT_IMAGES, volumes=True)  # a batch at a time (moments merged per batch); 3-D: volumes
     count = stream.count
     if count < 4:
         raise ValueError(f"probe.py stats: {count} images are too few for kurtosis (need at least 4; use --num-images or more images)")
