@@ -371,6 +371,10 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
     The stream's ``spacing`` is the voxel size in mm along i, j, k of every volume it gives: distances in the 3-D
     probes are millimetres (SPEC §11). Volumes of different voxel sizes (no spacing to resample to) are refused
     in one line when read.
+
+    With data that has ``mask_classes`` (a segmentation run's) and a label map for every chosen volume, the stream's
+    ``read_mask`` gives each volume's label map on the volume's grid (resampled with nearest neighbours, as training
+    reads it; one load per volume serves ``read`` and ``read_mask``) and ``mask_classes`` names its values 1..K.
     """
     from vitlab.data.layouts import UNLABELLED, Sample
     from vitlab.data.read_options import ReadOptions
