@@ -11,23 +11,10 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.probes.volume_runs import volume_fit_args
 from vitlab.probes import main as probe
 
 pytestmark = pytest.mark.slow
-
-SWIN_UNETR = "{img_size: 32, feature_size: 12, depths: [2, 2, 2, 2], num_heads: [2, 2, 4, 4], window_size: 4, norm_name: batch}"
-
-
-def volume_fit_args(manifest: Path, runs: Path, epochs: int, extra: list[str] | None = None) -> list[str]:
-    """A tiny SwinUNETR lesion segmentation of whole volumes (32^3 voxels of 1.4 x 1.4 x 2.5 mm), Q/K/V callbacks on."""
-    from tests.training.test_classification import tiny_args
-
-    return tiny_args(manifest, runs, epochs=epochs, extra=[
-        "--task", "segmentation", "--model.model_name", "monai:swin_unetr", "--model.model_kwargs", SWIN_UNETR,
-        "--model.sliding_window", "[32, 32, 32]", "--data.sample", "volume", "--data.spacing", "[1.4, 1.4, 2.5]",
-        "--data.volume_size", "[32, 32, 32]", "--data.mask_classes", "[lesion]", "--data.window", "soft_tissue",
-        "--data.augment", "none", "--data.val_fraction", "0.5", "--data.batch_size", "2", *(extra or [])])
-
 
 @pytest.fixture(scope="module")
 def volume_run(tmp_path_factory) -> Path:
