@@ -5,6 +5,7 @@ parameter randomised.
 
 Use: ``run = make_volume_run(tmp_path, "swin_unetr")`` -> :class:`VolumeRun` with ``checkpoint``, ``config``,
 ``volumes`` (the NIfTI folder) and ``model`` (the same model, in eval mode, as the checkpoint holds it).
+Trained runs: ``fit(volume_fit_args(manifest, runs, epochs))`` (:func:`volume_fit_args`, a tiny SwinUNETR fit).
 """
 
 from __future__ import annotations
@@ -77,3 +78,17 @@ def make_volume_run(root: Path, family: str, seed: int = 0, patients: int = 6) -
     checkpoint = version / "checkpoints" / "last.ckpt"
     torch.save({"hyper_parameters": hp, "state_dict": state}, checkpoint)
     return VolumeRun(checkpoint, version / "config.yaml", manifest.parent / "nifti", model, name, size)
+
+
+SWIN_UNETR = "{img_size: 32, feature_size: 12, depths: [2, 2, 2, 2], num_heads: [2, 2, 4, 4], window_size: 4, norm_name: batch}"
+
+
+def volume_fit_args(manifest: Path, runs: Path, epochs: int, extra: list[str] | None = None) -> list[str]:
+    """A tiny SwinUNETR lesion segmentation of whole volumes (32^3 voxels of 1.4 x 1.4 x 2.5 mm), Q/K/V callbacks on."""
+    from tests.training.test_classification import tiny_args
+
+    return tiny_args(manifest, runs, epochs=epochs, extra=[
+        "--task", "segmentation", "--model.model_name", "monai:swin_unetr", "--model.model_kwargs", SWIN_UNETR,
+        "--model.sliding_window", "[32, 32, 32]", "--data.sample", "volume", "--data.spacing", "[1.4, 1.4, 2.5]",
+        "--data.volume_size", "[32, 32, 32]", "--data.mask_classes", "[lesion]", "--data.window", "soft_tissue",
+        "--data.augment", "none", "--data.val_fraction", "0.5", "--data.batch_size", "2", *(extra or [])])

@@ -1,16 +1,19 @@
 """Resume after SIGKILL: a run killed at any moment, resumed from last.ckpt, leaves exactly one TensorBoard point
 per step for every tag (images included) and the same tags and steps as an unkilled run; tables and snapshots
-of the re-run epoch are the resumed run's; temp files of a killed write are removed."""
+of the re-run epoch are the resumed run's; temp files of a killed write are removed. On images (a tiny Swin
+classifier) and on volumes (a tiny MONAI SwinUNETR segmenting whole CT volumes, its 3-D window attention recorded)."""
 
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,10 +70,15 @@ class SigkillAfterCheckpoint(Checkpoint):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def killed_run(tiny_dataset: Path, runs: Path, killer: str, epochs: int) -> Path:
-    """Run ``epochs`` epochs in a subprocess that ``killer`` (a class above) SIGKILLs; its run folder."""
+RunArgs = Callable[..., list[str]]  # (runs folder, epochs=, extra=) -> train.py arguments of a run named "tiny"
+
+
+def killed_run(run_args: RunArgs | Path, runs: Path, killer: str, epochs: int) -> Path:
+    """Run ``epochs`` epochs in a subprocess that ``killer`` (a class above) SIGKILLs in epoch 1; its run folder.
+    ``run_args``: the run's arguments (:data:`RunArgs`), or a manifest for :func:`tiny_args`."""
+    run_args = functools.partial(tiny_args, run_args) if isinstance(run_args, Path) else run_args
     kill = [f"--trainer.callbacks+=tests.training.test_resume_kill.{killer}", "--trainer.callbacks.epoch=1"]
-    args = tiny_args(tiny_dataset, runs, epochs=epochs, extra=CALLBACKS + kill)
+    args = run_args(runs, epochs=epochs, extra=CALLBACKS + kill)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     code = "import sys, torch; torch.set_num_threads(1); from vitlab.cli import fit; fit(sys.argv[1:])"
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -94,21 +102,50 @@ def qkv_state_of(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def unkilled(tiny_dataset, tmp_path_factory) -> Path:
+def image_run_args(tiny_dataset) -> RunArgs:
+    return functools.partial(tiny_args, tiny_dataset)
+
+
+@pytest.fixture(scope="module")
+def volume_run_args(tmp_path_factory) -> RunArgs:
+    """A tiny SwinUNETR segmenting 4 synthetic CT patients' whole volumes (2 train, 2 validation: one step per epoch)."""
+    from tests.probes.volume_runs import volume_fit_args
+    from vitlab.data.synthetic_volumes import generate_volumes
+
+    manifest = generate_volumes(tmp_path_factory.mktemp("volumes"), patients=4, size=32, slices=8, seed=2, difficulty=0.0)
+    return functools.partial(volume_fit_args, manifest)
+
+
+def unkilled_run(run_args: RunArgs, runs: Path) -> Path:
     """The run folder of a 3-epoch run that nobody kills."""
-    runs = tmp_path_factory.mktemp("unkilled")
-    fit(tiny_args(tiny_dataset, runs, epochs=3, extra=CALLBACKS))
+    fit(run_args(runs, epochs=3, extra=CALLBACKS))
     return runs / "tiny" / "version_0"
 
 
+@pytest.fixture(scope="module")
+def unkilled(image_run_args, tmp_path_factory) -> Path:
+    return unkilled_run(image_run_args, tmp_path_factory.mktemp("unkilled"))
+
+
+@pytest.fixture(scope="module")
+def unkilled_volumes(volume_run_args, tmp_path_factory) -> Path:
+    return unkilled_run(volume_run_args, tmp_path_factory.mktemp("unkilled-volumes"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("killer", ["SigkillAfterEpoch", "SigkillAfterCheckpoint"])
-def test_killed_and_resumed_run_has_every_tag_and_step_of_an_unkilled_run(killer, tiny_dataset, unkilled, tmp_path):
+@pytest.mark.parametrize("killer,data", [("SigkillAfterEpoch", "images"), ("SigkillAfterCheckpoint", "images"),
+                                         # volumes: the kill with the most pending (epoch 1's figures, the segmentation
+                                         # overlay among them, and train/* metrics); both killers pass, each ~1 min
+                                         ("SigkillAfterCheckpoint", "volumes")])
+def test_killed_and_resumed_run_has_every_tag_and_step_of_an_unkilled_run(killer, data, request, tmp_path):
     """Killed during epoch 1's figure set (after its drift and snapshot writes; resumes from epoch 0's checkpoint)
     or right after epoch 1's checkpoint (its figures and ``train/*`` metrics were pending then): every tag has the
-    unkilled run's steps, once each; the re-run epoch's snapshot and tables are the resumed run's."""
+    unkilled run's steps, once each; the re-run epoch's snapshot and tables are the resumed run's; one Q/K/V
+    snapshot per epoch (and the initial one)."""
+    run_args = request.getfixturevalue("image_run_args" if data == "images" else "volume_run_args")
+    unkilled = request.getfixturevalue("unkilled" if data == "images" else "unkilled_volumes")
     runs = tmp_path / "runs"
-    run = killed_run(tiny_dataset, runs, killer, epochs=3)
+    run = killed_run(run_args, runs, killer, epochs=3)
     qkv = run / "qkv"
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["epoch"] == (1 if killer == "SigkillAfterCheckpoint" else 0)
@@ -117,7 +154,7 @@ def test_killed_and_resumed_run_has_every_tag_and_step_of_an_unkilled_run(killer
     stale = qkv / ".epoch_003.safetensors.k3j_x9a2.tmp"  # as a kill during a snapshot write leaves it
     stale.write_bytes(b"half a snapshot")
 
-    fit(tiny_args(tiny_dataset, runs, epochs=3, extra=CALLBACKS + ["--ckpt_path", str(run / "checkpoints" / "last.ckpt")]))
+    fit(run_args(runs, epochs=3, extra=CALLBACKS + ["--ckpt_path", str(run / "checkpoints" / "last.ckpt")]))
     assert not (runs / "tiny" / "version_1").exists()
     points = {tag: [s for s, _ in pts] for tag, pts in all_points(run).items()}
     assert not stale.exists() and not list(run.rglob("*.tmp"))
@@ -130,6 +167,11 @@ def test_killed_and_resumed_run_has_every_tag_and_step_of_an_unkilled_run(killer
     for tag, steps in points.items():
         assert steps == reference[key(tag)], tag
     assert points["scalars:data/skipped_files"] == [0]
+    snapshots = sorted(p.name for p in qkv.glob("*.safetensors"))
+    assert snapshots == [f"epoch_{e:03d}.safetensors" for e in range(4)] == sorted(p.name for p in (unkilled / "qkv").glob("*.safetensors"))
+    if data == "volumes":  # the segmentation figure (the middle slice) and validation's Dice, once per epoch
+        assert points["scalars:val/dice_lesion"] == reference["scalars:val/dice_lesion"] and len(points["scalars:val/dice_lesion"]) == 3
+        assert len([s for t, steps in points.items() if key(t) == "images:val/segmentation" for s in steps]) == 3
 
     # the re-run epoch's snapshot and tables are rewritten: one row per (block, matrix, row), from the snapshots
     rewritten = (qkv / "epoch_002.safetensors").stat().st_mtime_ns > killed_at

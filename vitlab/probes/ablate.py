@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from vitlab import models
-from vitlab.probes.common import ImageBatch, ProbeContext, add_common_arguments, load_images
+from vitlab.probes.common import ImageStream, ProbeContext, add_common_arguments, image_stream, progress
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
 from vitlab.outputs.files import write_csv
 
@@ -20,9 +20,15 @@ residual_attention, residual_mlp, norm1, norm2 (MLP-Mixer: token_mixing, residua
 survey several ablations; join names with + to remove several at once. Writes per-layer grids (original | intact |
 ablated), errors / noise baseline / pass / steps vs depth, summary.csv and, with labels, accuracy.csv.
 
+A 3-D checkpoint (vit3d:, monai:swin_unetr, monai:unetr) is measured on --accuracy-images volumes of its data, read as
+training reads them (no inversion survey: that draws 2-D images): a classifier's accuracy.csv as above; a segmenter's
+dice.csv, the Dice of each foreground class (training's definition: argmax voxels pooled over the volumes) of whole
+volumes predicted as validation predicts them (sliding window when the run used one).
+
 example:
   python probe.py --ablate attention --checkpoint runs/quickstart/version_0/checkpoints/last.ckpt
   python probe.py ablate --ablate layernorm --ablate attention+layernorm --model vit_base_patch32_224 --pretrained --layers 0,5,11
+  python probe.py ablate --ablate attention --ablate mlp --checkpoint runs/quickstart_volume/version_0/checkpoints/last.ckpt
 """
 ABLATION_NAMES = ("residual", "residual_attention", "residual_mlp", "residual_token_mixing", "layernorm", "norm1", "norm2",
                   "attention", "token_mixing", "mlp")
@@ -46,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--blocks", default=None,
                        help="blocks to ablate, comma-separated indices or names (default: every block)")
     group.add_argument("--accuracy-images", type=int, default=32,
-                       help="labelled images for the intact vs ablated accuracy (default 32; 0 = skip)")
+                       help="labelled images for the intact vs ablated accuracy (default 32; 0 = skip); a 3-D model: volumes "
+                            "for its accuracy, or a segmenter's Dice")
     add_inversion_arguments(parser, default_layers="all")
 
 
@@ -66,6 +73,18 @@ def run(ctx: ProbeContext) -> None:
         except ValueError as err:
             raise ValueError(f"--ablate {'+'.join(names)}: {err}") from None
         variants.append(Variant(f"no {'+'.join(names)}", model, functools.partial(models.ablated, model, names, blocks)))
+    if len(models.input_size(model)) == 4:  # (C, I, J, K): a 3-D model, measured on volumes, no inversion survey
+        print("probe.py ablate: a 3-D model: the inversion survey (2-D images) is skipped; the ablations are measured by "
+              + ("the Dice of each class" if ctx.loaded.task == "segmentation" else "accuracy"))
+        if args.accuracy_images <= 0:
+            print("probe.py ablate: --accuracy-images 0: nothing measured")
+        elif ctx.loaded.task == "segmentation":
+            dice(ctx, variants)
+        elif not ctx.loaded.head_trained:
+            print(f"probe.py ablate: {ctx.loaded.untrained_head('accuracy skipped')}")
+        else:
+            accuracy(ctx, variants)
+        return
     layers = resolve_layers(model, args.layers)
     images = ctx.images(default_count=4)
     if args.accuracy_images > 0 and not ctx.loaded.head_trained:
@@ -75,22 +94,86 @@ def run(ctx: ProbeContext) -> None:
     run_survey(ctx, images, variants, layers)
 
 
-@torch.no_grad()
-def accuracy(ctx: ProbeContext, variants: list[Variant], batch_size: int = 32) -> list[dict[str, Any]]:
-    """Top-1 accuracy of every variant on ``--accuracy-images`` labelled images (skipped without labels)."""
+def measured_stream(ctx: ProbeContext) -> ImageStream:
+    """The ``--accuracy-images`` images (a 3-D model: volumes, with their label maps when the data has them)."""
     args = argparse.Namespace(**{**vars(ctx.args), "num_images": ctx.args.accuracy_images})
-    images: ImageBatch = load_images(args, ctx.loaded, ctx.args.accuracy_images)
-    if images.labels is None:
+    return image_stream(args, ctx.loaded, ctx.args.accuracy_images, volumes=True)
+
+
+@torch.no_grad()
+def accuracy(ctx: ProbeContext, variants: list[Variant], batch_size: int | None = None) -> list[dict[str, Any]]:
+    """Top-1 accuracy of every variant on ``--accuracy-images`` labelled images or volumes (skipped without labels),
+    read a batch at a time (each batch once, through every variant)."""
+    stream = measured_stream(ctx)
+    if not stream.labelled:
         print("probe.py ablate: the images have no labels (--images files): accuracy skipped")
         return []
+    batch_size = batch_size or (2 if stream.volumetric else 32)
+    correct: dict[str, list[torch.Tensor]] = {variant.name: [] for variant in variants}
+    for batch in progress(stream.image_batches(batch_size), "accuracy", -(-stream.count // batch_size)):
+        for variant in variants:
+            with variant.context():
+                logits = variant.model(batch.inputs.to(ctx.device)).cpu()
+            correct[variant.name].append(logits.argmax(1) == batch.labels)  # (b,)
     rows = []
     for variant in variants:
-        with variant.context():
-            logits = torch.cat([variant.model(chunk.to(ctx.device)).cpu() for chunk in images.inputs.split(batch_size)])
-        correct = (logits.argmax(1) == images.labels).float()  # (N,)
-        rows.append({"variant": variant.name, "images": len(correct), "accuracy": float(correct.mean())})
+        hits = torch.cat(correct[variant.name]).float()  # (N,)
+        rows.append({"variant": variant.name, "images": len(hits), "accuracy": float(hits.mean())})
         ctx.writer.add_scalar(f"accuracy/{variant.tag}", rows[-1]["accuracy"], 0)
     write_csv(ctx.out / "accuracy.csv", rows)
     listed = ", ".join(f"{row['variant']} {row['accuracy']:.1%}" for row in rows)
-    print(f"accuracy: {listed} (on {rows[0]['images']} images)")
+    print(f"accuracy: {listed} (on {rows[0]['images']} {'volumes' if stream.volumetric else 'images'})")
+    return rows
+
+
+def dice_counts(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(3, K) float64 voxel counts of classes 1..K: predicted and true (intersection), predicted, true; ``pred`` and
+    ``truth`` are label maps of one shape (values 0 = background .. K)."""
+    counts = torch.zeros(3, num_classes, dtype=torch.float64)
+    for c in range(1, num_classes + 1):
+        p, t = pred == c, truth == c
+        counts[:, c - 1] = torch.stack([(p & t).sum(), p.sum(), t.sum()]).double()
+    return counts
+
+
+def dice_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """(K,) Dice 2|P∩T| / (|P| + |T|) per class from :func:`dice_counts` summed over volumes (training's torchmetrics
+    ``DiceScore``, ``aggregation_level="global"``); NaN for a class neither predicted nor present."""
+    inter, pred, true = counts
+    total = pred + true
+    return torch.where(total > 0, 2 * inter / total.clamp(min=1), torch.full_like(total, float("nan")))
+
+
+@torch.no_grad()
+def dice(ctx: ProbeContext, variants: list[Variant], batch_size: int = 1) -> list[dict[str, Any]]:
+    """Dice of each foreground class of a 3-D segmenter, every variant, on ``--accuracy-images`` volumes and their label
+    maps: whole volumes through :func:`~vitlab.models.inference.segment_logits` (the checkpoint's sliding window and
+    overlap, as validation), argmax voxels pooled over the volumes; a batch of volumes at a time."""
+    from vitlab.models.inference import segment_logits
+
+    stream = measured_stream(ctx)
+    if stream.read_mask is None or not stream.mask_classes:
+        print("probe.py ablate: the volumes have no label maps (a data section with mask_classes and a mask for every "
+              "volume; not --images files): Dice skipped")
+        return []
+    classes = stream.mask_classes
+    window, overlap = ctx.loaded.hparams.get("sliding_window"), float(ctx.loaded.hparams.get("sliding_overlap", 0.25))
+    counts = {variant.name: torch.zeros(3, len(classes), dtype=torch.float64) for variant in variants}
+    for batch in progress(stream.image_batches(batch_size), "dice", -(-stream.count // batch_size)):
+        for variant in variants:
+            with variant.context():
+                logits = segment_logits(variant.model, batch.inputs.to(ctx.device), window, overlap)  # (b, K+1, I, J, K)
+            counts[variant.name] += dice_counts(logits.argmax(1).cpu(), batch.masks, len(classes))
+    rows = []
+    for variant in variants:
+        scores = dice_from_counts(counts[variant.name])
+        row: dict[str, Any] = {"variant": variant.name, "volumes": stream.count, "dice": float(scores.nanmean())}
+        for name, value in zip(classes, scores.tolist()):
+            row[f"dice_{name}"] = value
+            ctx.writer.add_scalar(f"dice_{name}/{variant.tag}", value, 0)
+        ctx.writer.add_scalar(f"dice/{variant.tag}", row["dice"], 0)
+        rows.append(row)
+    write_csv(ctx.out / "dice.csv", rows)
+    listed = ", ".join(f"{row['variant']} {row['dice']:.3f}" for row in rows)
+    print(f"dice (mean over {', '.join(classes)}): {listed} (on {stream.count} volumes)")
     return rows

@@ -76,6 +76,7 @@ class LoadedModel:
     run: str | None = None  # "<name>-<version>" when the checkpoint lives in a run folder (names the output folder)
     task: str = "classification"  # "detection" / "segmentation": a dense checkpoint's backbone in a fresh classifier,
     # or (a 3-D segmenter such as monai:swin_unetr) the whole network, whose outputs are voxel logits, not classes
+    hparams: dict[str, Any] = field(default_factory=dict)  # the training checkpoint's hyperparameters (e.g. sliding_window)
 
     @property
     def head_trained(self) -> bool:
@@ -147,7 +148,7 @@ def load_model(args: argparse.Namespace, prefix: str = "", device: str = "cpu") 
         task = "segmentation" if whole else task
         names = hp.get("class_names") if task == "classification" else None  # a dense model's classes are not the head's
         return LoadedModel(_prepare(model, hp.get("ablate"), device), str(hp["model_name"]), str(checkpoint), build, data,
-                           list(names) if names else None, run_label(Path(checkpoint)), task)
+                           list(names) if names else None, run_label(Path(checkpoint)), task, dict(hp))
     if name is None:
         raise ValueError(f"no model given: use {flag}checkpoint PATH.ckpt, {flag}config RUN/config.yaml or {flag}model NAME [{flag}pretrained | {flag}weights FILE]")
     kwargs = json.loads(get("model_kwargs")) if get("model_kwargs") else {}
@@ -247,6 +248,8 @@ class ImageBatch:
     names: list[str]
     class_names: list[str] | None = None
     spacing: tuple[float, float, float] | None = None  # volumes: mm per voxel along i, j, k (one for all)
+    masks: torch.Tensor | None = None  # (N, I, J, K) int64 label maps on the volumes' grid, when the data has mask_classes
+    mask_classes: list[str] | None = None  # names of the mask values 1..K
 
 
 def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: int, split: str | None = None,
@@ -259,6 +262,8 @@ def load_images(args: argparse.Namespace, loaded: LoadedModel, default_count: in
     labels = torch.tensor([label for _, label, _ in items]) if stream.labelled else None
     batch = _finish(pixels, labels, [name for _, _, name in items], stream.class_names, stream.mean, stream.std)
     batch.spacing = stream.spacing
+    if stream.read_mask is not None:
+        batch.masks, batch.mask_classes = torch.stack([stream.read_mask(i) for i in range(stream.count)]), stream.mask_classes
     return batch
 
 
@@ -273,6 +278,8 @@ class ImageStream:
     labelled: bool
     class_names: list[str] | None = None
     spacing: tuple[float, float, float] | None = None  # volumes: mm per voxel along i, j, k, the same for every volume
+    read_mask: Callable[[int], torch.Tensor] | None = None  # i -> (I, J, K) int64 label map of volume i (data with mask_classes)
+    mask_classes: list[str] | None = None  # names of the mask values 1..K
 
     @property
     def volumetric(self) -> bool:
@@ -284,6 +291,20 @@ class ImageStream:
             items = [self.read(i) for i in range(start, min(start + batch_size, self.count))]
             labels = torch.tensor([label for _, label, _ in items]) if self.labelled else None
             yield torch.stack([pixel for pixel, _, _ in items]), labels
+
+    def image_batches(self, batch_size: int) -> Iterator[ImageBatch]:
+        """The stream as :class:`ImageBatch` chunks of ``batch_size`` (the last one shorter), in order, with their
+        names, spacing and (when the stream has them) label maps: ``load_images`` a batch at a time."""
+        for start in range(0, self.count, batch_size):
+            index = range(start, min(start + batch_size, self.count))
+            items = [self.read(i) for i in index]
+            labels = torch.tensor([label for _, label, _ in items]) if self.labelled else None
+            batch = _finish(torch.stack([pixel for pixel, _, _ in items]), labels, [name for _, _, name in items], self.class_names,
+                            self.mean, self.std)
+            batch.spacing = self.spacing
+            if self.read_mask is not None:
+                batch.masks, batch.mask_classes = torch.stack([self.read_mask(i) for i in index]), self.mask_classes
+            yield batch
 
     def batches(self, batch_size: int) -> Iterator[torch.Tensor]:
         """Normalised model inputs (b, C, H, W), the same values as ``load_images(...).inputs``, in order."""
@@ -350,6 +371,10 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
     The stream's ``spacing`` is the voxel size in mm along i, j, k of every volume it gives: distances in the 3-D
     probes are millimetres (SPEC §11). Volumes of different voxel sizes (no spacing to resample to) are refused
     in one line when read.
+
+    With data that has ``mask_classes`` (a segmentation run's) and a label map for every chosen volume, the stream's
+    ``read_mask`` gives each volume's label map on the volume's grid (resampled with nearest neighbours, as training
+    reads it; one load per volume serves ``read`` and ``read_mask``) and ``mask_classes`` names its values 1..K.
     """
     from vitlab.data.layouts import UNLABELLED, Sample
     from vitlab.data.read_options import ReadOptions
@@ -370,7 +395,7 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
             samples += [Sample(p.resolve(), UNLABELLED, series_uid=uid) for p, uid in found]
         if not samples:
             raise ValueError(f"--images {' '.join(args.images)}: no volumes (.nii / .nii.gz files or folders of DICOM files)")
-        samples, labelled, class_names = samples[:count], False, None
+        samples, labelled, class_names, mask_classes = samples[:count], False, None, None
         read_options = ReadOptions(**{k: data[k] for k in ("window", "window_center", "window_width", "window_index") if k in data})
         options = VolumeOptions("volume", intensity=data.get("intensity", "window"))
     else:
@@ -387,11 +412,19 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
         samples = [samples[i] for i in order]
         class_names = dm.class_names if labelled else None
         options, read_options = dm.volume_options, dm.read_options
-    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, spacing, size, on_bad_file="error")
+        # segmentation data: the label maps come with the volumes, on their grid (every chosen volume needs one)
+        with_masks = bool(data.get("mask_classes")) and all(s.mask is not None for s in samples)
+        mask_classes = [str(name) for name in data["mask_classes"]] if with_masks else None
+    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, spacing, size, on_bad_file="error",
+                            num_mask_classes=len(mask_classes) if mask_classes else None)
+    masks: dict[int, torch.Tensor] = {}  # the label map of the volume read last: read and read_mask share one load
     first = None if spacing is not None else tuple(float(v) for v in dataset.load_volume(0)[0].spacing)
 
     def read(i: int) -> tuple[torch.Tensor, int | None, str]:
         volume, label = dataset[i]
+        if mask_classes:
+            masks.clear()
+            masks[i], label = label["mask"], dataset.labels[i]
         if first is not None:
             own = tuple(float(v) for v in dataset.load_volume(i)[0].spacing) if i else first
             if max(abs(a - b) / b for a, b in zip(own, first)) > 0.01:
@@ -403,8 +436,13 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
             vol = vol[:1].repeat(in_chans, *[1] * (vol.ndim - 1))
         return vol, (int(label) if labelled else None), samples[i].key
 
+    def read_mask(i: int) -> torch.Tensor:
+        if i not in masks:
+            read(i)
+        return masks[i]
+
     return ImageStream(len(samples), read, [0.0] * in_chans, [1.0] * in_chans, labelled, class_names,
-                       tuple(float(v) for v in (spacing or first)))
+                       tuple(float(v) for v in (spacing or first)), read_mask if mask_classes else None, mask_classes)
 
 
 def _finish(pixels, labels, names, class_names, mean, std) -> ImageBatch:

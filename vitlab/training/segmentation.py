@@ -100,13 +100,9 @@ class SegmentationModule(TaskModule):
     def predict_logits(self, images: torch.Tensor) -> torch.Tensor:
         """Logits (B, K+1, *S) for evaluation: MONAI's sliding-window inference over a volume when
         ``sliding_window`` is set, else one forward pass."""
-        window = self.hparams.sliding_window
-        if window is None or images.ndim != 5:
-            return self(images)
-        from monai.inferers import sliding_window_inference
+        from vitlab.models.inference import segment_logits
 
-        return sliding_window_inference(images, tuple(int(n) for n in window), sw_batch_size=4, predictor=self.model,
-                                        overlap=self.hparams.sliding_overlap, mode="gaussian")
+        return segment_logits(self.model, images, self.hparams.sliding_window, self.hparams.sliding_overlap)
 
     def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), mask) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
