@@ -72,3 +72,20 @@ def test_rollout_rejects_mixed_resolutions():
         attention_rollout(attns)
     with pytest.raises(ValueError, match="head_fusion"):
         attention_rollout(attns[:1], head_fusion="sum")
+
+
+@pytest.mark.parametrize("grid,f", [((4, 6, 2), 2), ((4, 4, 4), 4), ((2, 4, 6), 2)])
+def test_pool_tokens_3d_equals_merge_matrices(grid, f):
+    """3-D grids (SwinUNETR stages): each coarse token merges f^3 fine ones; an independent merge-matrix form."""
+    n = grid[0] * grid[1] * grid[2]
+    attn = _random_attention(2, 2, n, 1, seed=7 + f)[0]
+    coarse = tuple(g // f for g in grid)
+    merge = torch.zeros(n // f**3, n, dtype=torch.float64)
+    for t in range(n):
+        i, rest = divmod(t, grid[1] * grid[2])
+        j, k = divmod(rest, grid[2])
+        merge[((i // f) * coarse[1] + j // f) * coarse[2] + k // f, t] = 1.0
+    pooled = pool_tokens(attn, grid, factor=f)
+    torch.testing.assert_close(pooled, (merge / f**3) @ attn @ merge.T, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(pooled.sum(-1), torch.ones(2, 2, n // f**3, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert rollout_map(attention_rollout([pooled]), 0, coarse).shape == (2, *coarse)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -61,7 +62,7 @@ def attention_rollout(
     return rollout
 
 
-def rollout_map(rollout: Tensor, num_prefix_tokens: int, grid: tuple[int, int]) -> Tensor:
+def rollout_map(rollout: Tensor, num_prefix_tokens: int, grid: tuple[int, ...]) -> Tensor:
     """Rollout as an image-shaped map over the patch grid.
 
     With prefix tokens (CLS, distillation, registers) the map is the first prefix token's row over the patch
@@ -70,49 +71,52 @@ def rollout_map(rollout: Tensor, num_prefix_tokens: int, grid: tuple[int, int]) 
     Args:
         rollout: (B, N, N) from :func:`attention_rollout`.
         num_prefix_tokens: tokens before the patch tokens.
-        grid: (H, W) patch grid, H * W = N - num_prefix_tokens, row-major.
+        grid: (H, W) patch grid (3-D models: (D, H, W)), prod(grid) = N - num_prefix_tokens, row-major.
 
     Returns:
-        (B, H, W) map.
+        (B, *grid) map.
     """
     if rollout.ndim != 3 or rollout.shape[-1] != rollout.shape[-2]:
         raise ValueError(f"rollout_map: rollout must be (B, N, N), got {tuple(rollout.shape)}")
     tokens = rollout.shape[-1]
-    if num_prefix_tokens < 0 or len(grid) != 2 or grid[0] * grid[1] != tokens - num_prefix_tokens:
+    if num_prefix_tokens < 0 or len(grid) not in (2, 3) or math.prod(grid) != tokens - num_prefix_tokens:
         raise ValueError(
             f"rollout_map: grid {tuple(grid)} with {num_prefix_tokens} prefix tokens does not match N = {tokens} "
-            "(need H * W = N - num_prefix_tokens)"
+            "(need prod(grid) = N - num_prefix_tokens)"
         )
     rows = rollout[:, 0] if num_prefix_tokens > 0 else rollout.mean(1)  # (B, N)
-    return rows[:, num_prefix_tokens:].reshape(-1, grid[0], grid[1])
+    return rows[:, num_prefix_tokens:].reshape(-1, *grid)
 
 
-def pool_tokens(attn_dense: Tensor, grid: tuple[int, int], factor: int = 2) -> Tensor:
+def pool_tokens(attn_dense: Tensor, grid: tuple[int, ...], factor: int = 2) -> Tensor:
     """Pool a token x token attention matrix onto a coarser grid (Swin patch merging between stages).
 
-    Each coarse token merges a factor x factor block of fine tokens with equal weights (1/4 for factor 2):
-    a coarse query row is the mean of its fine query rows, and a coarse key column the sum of its fine key
-    columns, so rows that summed to 1 still do. Pool earlier-stage attention to the last stage's grid,
-    then roll out all layers at that resolution.
+    Each coarse token merges a factor^d block of fine tokens (d = 2 or 3 grid axes) with equal weights (1/4
+    for factor 2 in 2-D, 1/8 in 3-D): a coarse query row is the mean of its fine query rows, and a coarse key
+    column the sum of its fine key columns, so rows that summed to 1 still do. Pool earlier-stage attention
+    to the last stage's grid, then roll out all layers at that resolution.
 
     Args:
-        attn_dense: (..., N, N) attention over tokens of a row-major (H, W) grid, N = H * W.
-        grid: (H, W), both divisible by ``factor``.
+        attn_dense: (..., N, N) attention over tokens of a row-major grid, N = prod(grid).
+        grid: (H, W) or (D, H, W), every side divisible by ``factor``.
         factor: merge factor per side (2 per Swin stage; 2**k to jump k stages).
 
     Returns:
-        (..., N / factor^2, N / factor^2) pooled attention.
+        (..., N / factor^d, N / factor^d) pooled attention.
     """
-    rows, cols = grid
     tokens = attn_dense.shape[-1]
-    if attn_dense.ndim < 2 or attn_dense.shape[-2] != tokens or rows * cols != tokens:
+    if attn_dense.ndim < 2 or attn_dense.shape[-2] != tokens or len(grid) not in (2, 3) or math.prod(grid) != tokens:
         raise ValueError(
-            f"pool_tokens: attention {tuple(attn_dense.shape)} must be (..., N, N) with N = H*W of grid {tuple(grid)}"
+            f"pool_tokens: attention {tuple(attn_dense.shape)} must be (..., N, N) with N = prod of the 2-D or 3-D grid {tuple(grid)}"
         )
-    if factor < 1 or rows % factor or cols % factor:
-        raise ValueError(f"pool_tokens: factor {factor} must be >= 1 and divide both grid sides {tuple(grid)}")
+    if factor < 1 or any(side % factor for side in grid):
+        raise ValueError(f"pool_tokens: factor {factor} must be >= 1 and divide every grid side {tuple(grid)}")
     lead = attn_dense.shape[:-2]
-    r, c, f = rows // factor, cols // factor, factor
-    blocks = attn_dense.reshape(*lead, r, f, c, f, r, f, c, f)  # query (r, f, c, f) x key (r, f, c, f)
-    pooled = blocks.mean(dim=(-7, -5)).sum(dim=(-3, -1))  # (..., r, c, r, c)
-    return pooled.reshape(*lead, r * c, r * c)
+    coarse = [side // factor for side in grid]
+    split = [n for side in coarse for n in (side, factor)]  # (r, f, c, f) in 2-D, (d, f, r, f, c, f) in 3-D
+    blocks = attn_dense.reshape(*lead, *split, *split)  # query axes x key axes
+    axes = len(split)
+    query_f = tuple(-2 * axes + 1 + 2 * a for a in range(len(grid)))  # the query's within-block axes
+    key_f = tuple(-axes + 1 + 2 * a for a in range(len(grid)))
+    pooled = blocks.mean(dim=query_f).sum(dim=key_f)  # key axes are the last ones: negative indices still hold
+    return pooled.reshape(*lead, math.prod(coarse), math.prod(coarse))

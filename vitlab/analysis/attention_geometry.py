@@ -1,0 +1,142 @@
+"""Attention in the geometry of the image: attention vs query-key distance in mm, and the three orthogonal
+planes of a 3-D token map through a query token (SPEC §11: distances in 3-D probes are millimetres)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DistanceStats", "token_centres", "attention_vs_distance", "merge_distance_stats", "orthogonal_planes", "query_token"]
+
+
+def token_centres(grid: Sequence[int], token_size: Sequence[float]) -> Tensor:
+    """Centres of the tokens of a row-major grid: (index + 0.5) x token size, per axis.
+
+    Args:
+        grid: token grid, e.g. (gi, gj, gk) or (gh, gw).
+        token_size: extent of one token along each axis (mm, or 1.0 for grid steps).
+
+    Returns:
+        (prod(grid), len(grid)) float64 coordinates, tokens in row-major order.
+    """
+    if len(grid) != len(token_size):
+        raise ValueError(f"token_centres: grid {tuple(grid)} and token size {tuple(token_size)} differ in length")
+    axes = [(torch.arange(n, dtype=torch.float64) + 0.5) * float(s) for n, s in zip(grid, token_size)]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(grid))
+
+
+@dataclass
+class DistanceStats:
+    """Attention against the distance between query and key token centres, as mergeable sums.
+
+    Attributes:
+        bin_edges: (n_bins + 1,) float64 distance bin edges (mm); bins are [low, high), the last one closed.
+        pair_counts: (n_bins,) float64 number of (sample, query, key) pairs in each bin.
+        attention_sums: (H, n_bins) float64 attention weight summed over the pairs in each bin.
+        weighted_distance: (H,) float64 sum over pairs of attention x distance.
+        mass: (H,) float64 sum over pairs of attention (the denominator of the mean attention distance).
+    """
+
+    bin_edges: Tensor
+    pair_counts: Tensor
+    attention_sums: Tensor
+    weighted_distance: Tensor
+    mass: Tensor
+
+    @property
+    def mean_attention(self) -> Tensor:
+        """(H, n_bins) mean attention weight per distance bin (NaN where a bin has no pairs)."""
+        return self.attention_sums / self.pair_counts
+
+    @property
+    def mean_distance(self) -> Tensor:
+        """(H,) attention-weighted mean distance (Dosovitskiy et al.'s "attention distance")."""
+        return self.weighted_distance / self.mass
+
+
+def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, valid: Tensor | None = None) -> DistanceStats:
+    """Sums of attention per query-key distance bin, and the attention-weighted distance, per head.
+
+    Args:
+        probs: (B*G, H, T, T) post-softmax attention of G groups of T tokens (one group: a ViT's patch tokens;
+            Swin: its windows, B samples of G windows each, sample-major), rows = queries.
+        coords: (G, T, D) or (T, D) token centres of every group's slots (mm).
+        bin_edges: (n_bins + 1,) increasing distance bin edges; pairs beyond the last edge count in no bin
+            but still in the mean distance.
+        valid: (G, T) bool, False for pad slots (their pairs count nowhere); None: all valid.
+
+    Returns:
+        :class:`DistanceStats` of the batch (sums: merge batches with :func:`merge_distance_stats`).
+    """
+    if probs.ndim != 4 or probs.shape[-1] != probs.shape[-2]:
+        raise ValueError(f"attention_vs_distance: probs must be (B*G, H, T, T), got {tuple(probs.shape)}")
+    coords = coords.to(torch.float64)
+    if coords.ndim == 2:
+        coords = coords[None]
+    groups, tokens = coords.shape[:2]
+    if tokens != probs.shape[-1] or probs.shape[0] % groups:
+        raise ValueError(f"attention_vs_distance: coords {tuple(coords.shape)} do not match probs {tuple(probs.shape)}")
+    edges = bin_edges.to(torch.float64)
+    if edges.ndim != 1 or edges.numel() < 2 or bool((edges[1:] <= edges[:-1]).any()):
+        raise ValueError("attention_vs_distance: bin_edges must be 1-D, increasing, with at least 2 edges")
+    valid = torch.ones(groups, tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
+    heads, n_bins = probs.shape[1], edges.numel() - 1
+    distance = torch.cdist(coords, coords)  # (G, T, T)
+    pair_ok = valid[:, :, None] & valid[:, None, :]  # (G, T, T)
+    index = torch.bucketize(distance, edges, right=True) - 1  # (G, T, T): bin of each pair
+    index = torch.where(distance == edges[-1], n_bins - 1, index)  # last bin closed
+    in_bin = pair_ok & (index >= 0) & (index < n_bins)
+    index = torch.where(in_bin, index, n_bins)  # overflow slot n_bins, dropped below
+    p = probs.detach().to(torch.float64).cpu().reshape(-1, groups, heads, tokens, tokens) * pair_ok[None, :, None]  # (B, G, H, T, T)
+    samples = p.shape[0]
+    per_group = p.sum(0)  # (G, H, T, T) summed over samples
+    sums = torch.zeros(heads, n_bins + 1, dtype=torch.float64)
+    sums.index_add_(1, index.reshape(-1), per_group.permute(1, 0, 2, 3).reshape(heads, -1))
+    counts = torch.bincount(index.reshape(-1), minlength=n_bins + 1)[:n_bins].to(torch.float64) * samples
+    weighted = (per_group * distance[:, None]).sum(dim=(0, 2, 3))  # (H,)
+    return DistanceStats(edges, counts, sums[:, :n_bins], weighted, per_group.sum(dim=(0, 2, 3)))
+
+
+def merge_distance_stats(parts: Sequence[DistanceStats]) -> DistanceStats:
+    """The statistics of disjoint batches together (exact: every field is a sum)."""
+    if not parts:
+        raise ValueError("merge_distance_stats: nothing to merge")
+    first = parts[0]
+    if any(not torch.equal(p.bin_edges, first.bin_edges) for p in parts):
+        raise ValueError("merge_distance_stats: the parts have different bin edges")
+    return DistanceStats(first.bin_edges, sum(p.pair_counts for p in parts), sum(p.attention_sums for p in parts),
+                         sum(p.weighted_distance for p in parts), sum(p.mass for p in parts))
+
+
+def query_token(voxel: Sequence[int], size: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
+    """The token (grid index per axis) that holds input voxel ``voxel`` of an input of ``size`` voxels."""
+    if len(voxel) != len(size) or len(size) != len(grid):
+        raise ValueError(f"query_token: voxel {tuple(voxel)}, size {tuple(size)} and grid {tuple(grid)} differ in length")
+    if any(not 0 <= v < n for v, n in zip(voxel, size)):
+        raise ValueError(f"query_token: voxel {tuple(voxel)} outside the input of {tuple(size)} voxels")
+    return tuple(int(v) * int(g) // int(n) for v, n, g in zip(voxel, size, grid))
+
+
+def orthogonal_planes(token_map: Tensor, grid: Sequence[int], token: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The three orthogonal planes of a 3-D token map through one token.
+
+    Args:
+        token_map: (..., N) values over the tokens of a row-major (gi, gj, gk) grid, N = gi*gj*gk (e.g. one
+            query's attention row over the patch tokens).
+        grid: (gi, gj, gk).
+        token: (ti, tj, tk) grid index the planes pass through.
+
+    Returns:
+        axial (..., gi, gj) at k = tk, coronal (..., gi, gk) at j = tj, sagittal (..., gj, gk) at i = ti.
+    """
+    if len(grid) != 3 or len(token) != 3 or token_map.shape[-1] != math.prod(grid):
+        raise ValueError(f"orthogonal_planes: map {tuple(token_map.shape)} does not match the 3-D grid {tuple(grid)}")
+    if any(not 0 <= t < g for t, g in zip(token, grid)):
+        raise ValueError(f"orthogonal_planes: token {tuple(token)} outside the grid {tuple(grid)}")
+    volume = token_map.reshape(*token_map.shape[:-1], *grid)  # (..., gi, gj, gk)
+    ti, tj, tk = token
+    return volume[..., :, :, tk], volume[..., :, tj, :], volume[..., ti, :, :]
