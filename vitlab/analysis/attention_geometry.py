@@ -85,7 +85,7 @@ def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, vali
         raise ValueError("attention_vs_distance: bin_edges must be 1-D, increasing, with at least 2 edges")
     valid = torch.ones(groups, tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
     heads, n_bins = probs.shape[1], edges.numel() - 1
-    distance = torch.cdist(coords, coords)  # (G, T, T)
+    distance = (coords[:, :, None] - coords[:, None]).norm(dim=-1)  # (G, T, T); not cdist: its matmul form misplaces pairs on bin edges
     pair_ok = valid[:, :, None] & valid[:, None, :]  # (G, T, T)
     index = torch.bucketize(distance, edges, right=True) - 1  # (G, T, T): bin of each pair
     index = torch.where(distance == edges[-1], n_bins - 1, index)  # last bin closed
