@@ -24,6 +24,18 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("attention3d")  # the synthetic volumes are made once for the module
 
 
+@pytest.fixture(scope="module")
+def runs(root):
+    """family -> run, built once (a MONAI SwinUNETR takes seconds to build)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = make_volume_run(root, family, seed=3)
+        return cache[family]
+    return get
+
+
 def volumes(run, count=2):
     args = argparse.Namespace(checkpoint=run.checkpoint, config=None, model=None, images=None, num_images=count, split="val",
                               spacing=None, seed=0)
@@ -42,13 +54,14 @@ def events(out):
     return acc
 
 
-# UNETR has 12 blocks: two of them keep the test fast (every block is drawn the same way)
-BLOCKS = {"swin_unetr": [], "unetr": ["--blocks", "0", "11"], "vit3d": []}
+# a few blocks keep the test fast (every block is drawn the same way): SwinUNETR 4096-token, shifted 8-window and one-window
+# blocks, UNETR (12 blocks) its first and last
+BLOCKS = {"swin_unetr": ["--blocks", "0", "3", "5"], "unetr": ["--blocks", "0", "11"], "vit3d": []}
 
 
-@pytest.mark.parametrize("family", ["swin_unetr", "unetr", "vit3d"])
-def test_attention_probe_on_volumes(root, family):
-    run = make_volume_run(root, family, seed=3)
+@pytest.mark.parametrize("family", [pytest.param("swin_unetr", marks=pytest.mark.slow), "unetr", "vit3d"])
+def test_attention_probe_on_volumes(root, runs, family):
+    run = runs(family)
     out = root / f"out_{family}"
     main(["attention", "--checkpoint", str(run.checkpoint), "--out", str(out), "--num-images", "2", "--show", "1", *BLOCKS[family]])
     views = models.select_blocks(run.model, [int(b) for b in BLOCKS[family][1:]] or None)
@@ -92,8 +105,8 @@ def test_attention_probe_on_volumes(root, family):
 
 
 @pytest.mark.parametrize("family", ["swin_unetr", "vit3d"])
-def test_query_montage_data_is_the_recorded_attention_row(root, family):
-    run = make_volume_run(root, family, seed=5)
+def test_query_montage_data_is_the_recorded_attention_row(runs, family):
+    run = runs(family)
     size = run.size
     g = torch.Generator().manual_seed(1)
     voxel = tuple(int(torch.randint(0, n, (1,), generator=g)) for n in size)
@@ -115,10 +128,10 @@ def test_query_montage_data_is_the_recorded_attention_row(root, family):
             torch.testing.assert_close(maps[0, -1], dense[0, :, 0, prefix:].mean(0))
 
 
-def test_query_voxel_is_validated(root):
+def test_query_voxel_is_validated(root, runs):
     assert query_voxel(None, (32, 32, 16)) == (16, 16, 8)
     with pytest.raises(ValueError, match=r"--query I J K: voxel \(3, 40, 0\) is outside .*J in 0\.\.31"):
         query_voxel([3, 40, 0], (32, 32, 16))
-    run = make_volume_run(root, "vit3d")
+    run = runs("vit3d")
     with pytest.raises(ValueError, match=r"--query I J K: .*K in 0\.\.15"):
         main(["attention", "--checkpoint", str(run.checkpoint), "--out", str(root / "bad"), "--num-images", "1", "--query", "0", "0", "16"])
