@@ -120,7 +120,8 @@ def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: t
         labels, maps, token = rollout_maps(rollout, last_grid, prefix, voxel, size)
         what = f"attention rollout through all {len(everything)} blocks" + (" (stages pooled to the last grid)" if len(set(rec.grids.values())) > 1 else "")
         for s, volume in enumerate(pixels):
-            fig = montage_figure(volume, maps[s], labels, last_grid, token, voxel, spacing, montage_title(what, voxel, token, last_grid, size, spacing, f"volume {s}"))
+            fig = montage_figure(volume, maps[s], labels, last_grid, token, voxel, spacing, montage_title(what, voxel, token, last_grid, size, spacing, f"volume {s}"),
+                                 colour_label="rollout weight")
             ctx.writer.add_figure(f"attention_rollout/volume {s} (rows: {', '.join(labels)}; columns: axial, coronal, sagittal)", fig, 0)
     else:
         maps = rollout_map(rollout, prefix, last_grid)  # (S, gh, gw)
@@ -297,7 +298,7 @@ def distance_outputs(ctx, views, stats: dict[str, DistanceStats], unit: str, cou
     grid = torch.full((len(views), heads), float("nan"))
     for i, view in enumerate(views):
         grid[i, : stats[view.name].mass.numel()] = stats[view.name].mean_distance.float()
-    fig = heatmap_figure(grid, title=f"mean attention distance ({unit}), N = {count}", xlabel="head", ylabel="block",
+    fig = heatmap_figure(grid, title=f"mean attention distance, N = {count}", xlabel="head", ylabel="block",
                          xticklabels=[str(h) for h in range(heads)], yticklabels=[v.name for v in views], cmap="viridis",
                          colorbar_label=f"mean attention distance ({unit})")
     ctx.writer.add_figure(f"attention_distance/mean distance (blocks x heads, {unit})", fig, 0)

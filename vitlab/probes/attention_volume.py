@@ -53,7 +53,7 @@ def query_maps(dense: torch.Tensor, grid: Sequence[int], prefix: int, voxel: Seq
 
 
 def montage_figure(volume: torch.Tensor, maps: torch.Tensor, labels: list[str], grid: Sequence[int], token: Sequence[int],
-                   voxel: Sequence[int], spacing: Sequence[float], title: str):
+                   voxel: Sequence[int], spacing: Sequence[float], title: str, colour_label: str = "attention weight"):
     """Rows: maps; columns: axial, coronal, sagittal slices of the volume through ``voxel`` with the map overlaid.
 
     Args:
@@ -64,6 +64,7 @@ def montage_figure(volume: torch.Tensor, maps: torch.Tensor, labels: list[str], 
         voxel: (i, j, k) voxel the image planes pass through, marked with a cross.
         spacing: mm per voxel along i, j, k (anisotropic voxels keep their true aspect).
         title: figure title.
+        colour_label: what the colour bar measures.
     """
     grey = volume.float().mean(0).cpu()  # (I, J, K)
     size = grey.shape
@@ -93,7 +94,7 @@ def montage_figure(volume: torch.Tensor, maps: torch.Tensor, labels: list[str], 
                 ax.set_title(f"{PLANES[c]} ({_AXIS_NAMES[fixed]} = {(voxel[fixed] + 0.5) * spacing[fixed]:.1f} mm)", fontsize=8)
         box = axes[r, -1].get_position()
         bar = fig.colorbar(im, cax=fig.add_axes((0.92, box.y0, 0.012, box.height)))
-        bar.set_label("attention weight", fontsize=7)
+        bar.set_label(colour_label, fontsize=7)
         bar.ax.tick_params(labelsize=6)
     fig.suptitle(title, fontsize=8, y=1 - 0.08 / height, va="top")
     return fig
@@ -102,7 +103,7 @@ def montage_figure(volume: torch.Tensor, maps: torch.Tensor, labels: list[str], 
 def montage_title(what: str, voxel: Sequence[int], token: Sequence[int], grid: Sequence[int], size: Sequence[int],
                   spacing: Sequence[float], name: str) -> str:
     token_mm = " x ".join(f"{n * s / g:.1f}" for n, s, g in zip(size, spacing, grid))
-    return (f"{what}; query voxel {tuple(voxel)} (+) in token {tuple(token)} of grid {tuple(grid)}, tokens {token_mm} mm\n"
+    return (f"{what}\nquery voxel {tuple(voxel)} (+) in token {tuple(token)} of grid {tuple(grid)}, tokens {token_mm} mm; "
             f"{name}")
 
 
