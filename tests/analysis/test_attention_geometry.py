@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from vitlab.analysis.attention_geometry import (attention_vs_distance, merge_distance_stats, orthogonal_planes, query_token,
-                                                token_centres)
+                                                token_centres, window_pairs)
+from vitlab.models.adapter import window_slot_tokens
 
 
-def brute_force(probs, coords, edges, valid):
+def brute_force(probs, coords, edges, valid, pairs=None):
     """Loop over every (sample, head, query, key) pair."""
     groups, tokens = valid.shape
     heads, n_bins = probs.shape[1], len(edges) - 1
@@ -23,7 +24,7 @@ def brute_force(probs, coords, edges, valid):
         g = b % groups
         for q in range(tokens):
             for k in range(tokens):
-                if not (valid[g, q] and valid[g, k]):
+                if not (valid[g, q] and valid[g, k]) or (pairs is not None and not pairs[g, q, k]):
                     continue
                 d = math.dist(coords[g, q].tolist(), coords[g, k].tolist())
                 hit = [i for i in range(n_bins) if edges[i] <= d < edges[i + 1] or (i == n_bins - 1 and d == edges[-1])]
@@ -46,14 +47,15 @@ def test_attention_vs_distance_equals_brute_force(seed):
     coords = torch.rand(groups, tokens, 3, generator=g, dtype=torch.float64) * torch.tensor([10.0, 14.0, 25.0], dtype=torch.float64)
     valid = torch.rand(groups, tokens, generator=g) > 0.2
     edges = torch.arange(0.0, 20.0, float(torch.rand(1, generator=g)) * 4 + 1, dtype=torch.float64)  # some pairs overflow
-    stats = attention_vs_distance(probs, coords, edges, valid)
-    sums, counts, weighted, mass = brute_force(probs, coords, edges, valid)
+    pairs = torch.rand(groups, tokens, tokens, generator=g) > 0.3 if seed else None
+    stats = attention_vs_distance(probs, coords, edges, valid, pairs)
+    sums, counts, weighted, mass = brute_force(probs, coords, edges, valid, pairs)
     torch.testing.assert_close(stats.attention_sums, sums, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(stats.pair_counts, counts, rtol=0, atol=0)
     torch.testing.assert_close(stats.weighted_distance, weighted, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(stats.mass, mass, rtol=1e-10, atol=1e-12)
     # batches merge exactly: samples split in two parts give the stats of all of them
-    halves = [attention_vs_distance(probs[i * groups:(i + 1) * groups], coords, edges, valid) for i in range(samples)]
+    halves = [attention_vs_distance(probs[i * groups:(i + 1) * groups], coords, edges, valid, pairs) for i in range(samples)]
     merged = merge_distance_stats(halves)
     torch.testing.assert_close(merged.attention_sums, stats.attention_sums, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(merged.mean_distance, stats.mean_distance, rtol=1e-12, atol=1e-14)
@@ -89,3 +91,26 @@ def test_orthogonal_planes_and_query_token():
         query_token((32, 0, 0), (32, 32, 16), (4, 4, 2))
     with pytest.raises(ValueError, match="outside the grid"):
         orthogonal_planes(values, grid, (3, 0, 0))
+
+
+def shifted_window_partners(grid, window, shift):
+    """Swin's rule, independently: roll the grid by -shift, cut it into windows; within a window the regions
+    [0, G - w), [G - w, G - s), [G - s, G) of each axis (rolled coordinates) are masked apart."""
+    def label(x, n, w, s):
+        r = (x - s) % n
+        return r // w, (0 if r < n - w else 1 if r < n - s else 2)
+    cells = [tuple(c) for c in torch.cartesian_prod(*[torch.arange(n) for n in grid]).reshape(-1, len(grid)).tolist()]
+    labels = [tuple(label(x, n, w, s) for x, n, w, s in zip(c, grid, window, shift)) for c in cells]
+    return torch.tensor([[a == b for b in labels] for a in labels])
+
+
+@pytest.mark.parametrize("grid,window,shift", [((8, 8, 8), (4, 4, 4), (2, 2, 2)), ((8, 8, 8), (4, 4, 4), (0, 0, 0)),
+                                               ((6, 9), (3, 3), (1, 1)), ((4, 4, 4), (4, 4, 4), (0, 0, 0))])
+def test_window_pairs_are_the_unmasked_pairs(grid, window, shift):
+    slots = window_slot_tokens(grid, window, shift, False)  # (G, T)
+    pairs = window_pairs(slots, grid, window)
+    partners = shifted_window_partners(grid, window, shift)
+    for g in range(slots.shape[0]):
+        assert torch.equal(pairs[g], partners[slots[g]][:, slots[g]])
+    if any(shift):
+        assert not bool(pairs.all())  # some pairs of a shifted window are masked apart

@@ -11,6 +11,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.analysis.test_attention_geometry import shifted_window_partners
 from tests.probes.volume_runs import make_volume_run
 from vitlab import models
 from vitlab.probes import common, main
@@ -95,13 +96,18 @@ def test_attention_probe_on_volumes(root, runs, family):
         for head in range(dense.shape[1]):
             expected = float((dense[:, head] * dist).sum() / dense[:, head].sum())
             assert means[view.name, head] == pytest.approx(expected, rel=1e-5)
-        if view.window_size is None or math.prod(grid) <= math.prod(view.window_size):  # one group of all tokens: every pair counts
-            rows = [r for r in bins if r["layer"] == view.name]
-            for r in rows:
-                in_bin = (dist >= float(r["bin_low"])) & (dist < float(r["bin_high"]))
-                assert int(r["pairs"]) == 2 * int(in_bin.sum())
-                head = int(r["head"])
-                assert float(r["mean_attention"]) == pytest.approx(float(dense[:, head][:, in_bin].mean()), rel=1e-5)
+        pairs = torch.ones_like(dist, dtype=torch.bool)  # ViT: one group of all tokens, every pair counts
+        if view.window_size is not None:  # MONAI Swin: odd blocks shift by half a window unless one window covers the grid
+            window = view.window_size
+            shift = [w // 2 if int(view.name[-1]) % 2 and n > w else 0 for n, w in zip(grid, window)]
+            pairs = shifted_window_partners(grid, window, shift)
+        rows = [r for r in bins if r["layer"] == view.name]
+        assert rows
+        for r in rows:
+            in_bin = (dist >= float(r["bin_low"])) & (dist < float(r["bin_high"])) & pairs
+            assert int(r["pairs"]) == 2 * int(in_bin.sum())
+            head = int(r["head"])
+            assert float(r["mean_attention"]) == pytest.approx(float(dense[:, head][:, in_bin].mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("family", ["swin_unetr", "vit3d"])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DistanceStats", "token_centres", "attention_vs_distance", "merge_distance_stats", "orthogonal_planes", "query_token"]
+__all__ = ["DistanceStats", "token_centres", "window_pairs", "attention_vs_distance", "merge_distance_stats", "orthogonal_planes", "query_token"]
 
 
 def token_centres(grid: Sequence[int], token_size: Sequence[float]) -> Tensor:
@@ -58,7 +58,29 @@ class DistanceStats:
         return self.weighted_distance / self.mass
 
 
-def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, valid: Tensor | None = None) -> DistanceStats:
+def window_pairs(slots: Tensor, grid: Sequence[int], window: Sequence[int]) -> Tensor:
+    """The slot pairs of (shifted) windows that attend to each other: both real tokens, and less than one window
+    apart along every axis of the token grid. A shifted window's slots that wrapped around the grid edge (the
+    cyclic roll) are a grid side apart and masked out of each other's softmax, as Swin's attention mask does.
+
+    Args:
+        slots: (G, T) token index (row-major in ``grid``) of every window slot; pad slots hold prod(grid).
+        grid: token grid, 2-D or 3-D.
+        window: window size per axis (one window when it covers the grid).
+
+    Returns:
+        (G, T, T) bool.
+    """
+    tokens = math.prod(grid)
+    index = torch.stack(torch.meshgrid(*[torch.arange(n) for n in grid], indexing="ij"), -1).reshape(tokens, len(grid))
+    index = torch.cat([index, index.new_zeros(1, len(grid))])[slots]  # (G, T, D); pad slots -> row `tokens`
+    near = ((index[:, :, None] - index[:, None]).abs() < torch.tensor([int(w) for w in window])).all(-1)  # (G, T, T)
+    real = slots < tokens
+    return near & real[:, :, None] & real[:, None, :]
+
+
+def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, valid: Tensor | None = None,
+                          pairs: Tensor | None = None) -> DistanceStats:
     """Sums of attention per query-key distance bin, and the attention-weighted distance, per head.
 
     Args:
@@ -68,6 +90,8 @@ def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, vali
         bin_edges: (n_bins + 1,) increasing distance bin edges; pairs beyond the last edge count in no bin
             but still in the mean distance.
         valid: (G, T) bool, False for pad slots (their pairs count nowhere); None: all valid.
+        pairs: (G, T, T) bool, the pairs that count (e.g. :func:`window_pairs`: not masked apart); None: all
+            pairs of valid slots.
 
     Returns:
         :class:`DistanceStats` of the batch (sums: merge batches with :func:`merge_distance_stats`).
@@ -87,6 +111,8 @@ def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, vali
     heads, n_bins = probs.shape[1], edges.numel() - 1
     distance = (coords[:, :, None] - coords[:, None]).norm(dim=-1)  # (G, T, T); not cdist: its matmul form misplaces pairs on bin edges
     pair_ok = valid[:, :, None] & valid[:, None, :]  # (G, T, T)
+    if pairs is not None:
+        pair_ok = pair_ok & pairs.to(torch.bool).cpu()
     index = torch.bucketize(distance, edges, right=True) - 1  # (G, T, T): bin of each pair
     index = torch.where(distance == edges[-1], n_bins - 1, index)  # last bin closed
     in_bin = pair_ok & (index >= 0) & (index < n_bins)
