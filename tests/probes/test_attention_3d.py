@@ -121,8 +121,8 @@ def test_query_montage_data_is_the_recorded_attention_row(runs, family):
         run.model(x)
     for view in models.blocks(run.model):
         grid, prefix = rec.grids[view.name], view.num_prefix_tokens
-        dense = rec.dense(view.name)
-        labels, maps, token = query_maps(dense, grid, prefix, voxel, size)
+        dense = rec.dense(view.name)  # Swin: the windows scattered into token x token form, an independent path
+        labels, maps, token = query_maps(rec, view, voxel, size)
         cell = [v * gr // n for v, gr, n in zip(voxel, grid, size)]  # the token whose voxels hold the query voxel
         q = prefix + (cell[0] * grid[1] + cell[1]) * grid[2] + cell[2]
         heads = dense.shape[1]

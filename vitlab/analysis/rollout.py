@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["attention_rollout", "rollout_map", "pool_tokens"]
+__all__ = ["attention_rollout", "rollout_map", "pool_tokens", "pool_window_attention", "window_query_rows"]
 
 _FUSIONS = ("mean", "max", "min")
 
@@ -120,3 +120,57 @@ def pool_tokens(attn_dense: Tensor, grid: tuple[int, ...], factor: int = 2) -> T
     key_f = tuple(-axes + 1 + 2 * a for a in range(len(grid)))
     pooled = blocks.mean(dim=query_f).sum(dim=key_f)  # key axes are the last ones: negative indices still hold
     return pooled.reshape(*lead, math.prod(coarse), math.prod(coarse))
+
+
+def pool_window_attention(window_probs: Tensor, slots: Tensor, grid: tuple[int, ...], factor: int) -> Tensor:
+    """:func:`pool_tokens` of Swin's dense attention, straight from its windows (no N x N matrix: a 96^3 SwinUNETR's
+    first stage has 48^3 tokens, too many for a dense form).
+
+    Args:
+        window_probs: (B*G, H, T, T) attention of the G windows of each of B samples (sample-major).
+        slots: (G, T) token index (row-major in ``grid``) of every window slot; pad slots hold prod(grid).
+        grid: (H, W) or (D, H, W), every side divisible by ``factor``.
+        factor: merge factor per side.
+
+    Returns:
+        (B, H, M, M) with M = prod(grid) / factor^d: pool_tokens(dense, grid, factor).
+    """
+    if len(grid) not in (2, 3) or factor < 1 or any(side % factor for side in grid):
+        raise ValueError(f"pool_window_attention: factor {factor} must be >= 1 and divide every side of the 2-D or 3-D grid {tuple(grid)}")
+    groups, area = slots.shape
+    if window_probs.ndim != 4 or window_probs.shape[0] % groups or window_probs.shape[-2:] != (area, area):
+        raise ValueError(f"pool_window_attention: windows {tuple(window_probs.shape)} do not match slots {tuple(slots.shape)}")
+    batch, heads = window_probs.shape[0] // groups, window_probs.shape[1]
+    coarse = [side // factor for side in grid]
+    index = torch.stack(torch.meshgrid(*[torch.arange(n) for n in grid], indexing="ij"), -1).reshape(-1, len(grid)) // factor
+    cell = torch.zeros(len(index), dtype=torch.long)
+    for axis, side in enumerate(coarse):
+        cell = cell * side + index[:, axis]  # coarse token of every fine token, row-major
+    tokens = math.prod(coarse)
+    cell = torch.cat([cell, torch.tensor([tokens])])[slots.cpu()]  # (G, T); pad slots -> dropped row / column
+    pair = (cell[:, :, None] * (tokens + 1) + cell[:, None, :]).reshape(-1)  # (G*T*T,)
+    values = window_probs.reshape(batch, groups, heads, area, area).transpose(1, 2).reshape(batch, heads, -1)  # (B, H, G*T*T)
+    pooled = values.new_zeros(batch, heads, (tokens + 1) ** 2).index_add_(2, pair.to(values.device), values)
+    return pooled.reshape(batch, heads, tokens + 1, tokens + 1)[..., :tokens, :tokens] / factor ** len(grid)
+
+
+def window_query_rows(window_probs: Tensor, slots: Tensor, num_tokens: int, token: int) -> Tensor:
+    """One query token's attention row over all tokens, from Swin windows (zero outside its window).
+
+    Args:
+        window_probs: (B*G, H, T, T) as :func:`pool_window_attention`; slots: (G, T), pad slots hold ``num_tokens``.
+        num_tokens: N, tokens of the grid.
+        token: the query's token index (row-major).
+
+    Returns:
+        (B, H, N): the query's row of the dense form.
+    """
+    groups, area = slots.shape
+    where = (slots == token).nonzero()
+    if len(where) != 1:
+        raise ValueError(f"window_query_rows: token {token} is in {len(where)} window slots, expected 1")
+    g, t = (int(v) for v in where[0])
+    rows = window_probs.reshape(-1, groups, *window_probs.shape[1:])[:, g, :, t]  # (B, H, T)
+    dense = rows.new_zeros(*rows.shape[:2], num_tokens + 1)
+    dense[:, :, slots[g].to(rows.device)] = rows
+    return dense[:, :, :num_tokens]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from vitlab import models
 from vitlab.analysis.attention_geometry import DistanceStats, attention_vs_distance, merge_distance_stats, token_centres, window_pairs
-from vitlab.analysis.rollout import attention_rollout, pool_tokens, rollout_map
+from vitlab.analysis.rollout import attention_rollout, pool_tokens, pool_window_attention, rollout_map
 from vitlab.analysis.stats import AngleStats, attention_vs_angle
 from vitlab.probes.activations import add_recording_arguments, block_label, record_batches, require_attention, selected_blocks
 from vitlab.probes.attention_volume import montage_figure, montage_title, query_maps, query_voxel, rollout_maps
@@ -94,22 +94,25 @@ def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: t
     last_grid = rec.grids[everything[-1].name]
     pooled, skipped = [], None
     for view in everything:
-        dense = rec.dense(view.name)  # (S, H, N, N), original token order
         grid, prefix = rec.grids[view.name], view.num_prefix_tokens
         if view.name in chosen and voxel is not None:
-            labels, maps, token = query_maps(dense, grid, prefix, voxel, size)  # (S, R, P)
+            labels, maps, token = query_maps(rec, view, voxel, size)  # (S, R, P)
             what = f"{block_label(view)}: attention of the query token to every token"
             for s, volume in enumerate(pixels):
                 fig = montage_figure(volume, maps[s], labels, grid, token, voxel, spacing, montage_title(what, voxel, token, grid, size, spacing, f"volume {s}"))
                 ctx.writer.add_figure(f"attention_query/{view.name} volume {s} (rows: {', '.join(labels)}; columns: axial, coronal, sagittal)", fig, view.global_index)
         elif view.name in chosen:
+            dense = rec.dense(view.name)  # (S, H, N, N), original token order
             maps = rollout_map(dense.flatten(0, 1), prefix, grid).reshape(dense.shape[0], dense.shape[1], *grid)  # (S, H, gh, gw)
             panel = map_panel(pixels, torch.cat([maps, maps.mean(1, keepdim=True)], 1), args.panel_px)
             ctx.writer.add_image(f"attention_map/{view.name} (rows: images; columns: image, heads 0-{dense.shape[1] - 1}, head mean)", panel, view.global_index)
         factor = grid[0] // last_grid[0]
         if factor < 1 or tuple(grid) != tuple(factor * g for g in last_grid) or (factor > 1 and prefix):
             skipped = f"{view.name} has grid {grid}, not a multiple of the last grid {last_grid}"
+        elif skipped is None and view.window_size is not None:  # Swin: pooled from the windows, no N x N matrix
+            pooled.append(pool_window_attention(*rec.patch_windows(view.name), grid, factor))
         elif skipped is None:
+            dense = rec.attentions[view.name]  # (S, H, N, N) as recorded
             pooled.append(pool_tokens(dense, grid, factor) if factor > 1 else dense)
     if skipped is not None:
         print(f"probe.py attention: no rollout: {skipped}")

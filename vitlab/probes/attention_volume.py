@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import torch
 
 from vitlab.analysis.attention_geometry import orthogonal_planes, query_token
+from vitlab.analysis.rollout import window_query_rows
 
 PLANES = ("axial", "coronal", "sagittal")
 _PLANE_AXES = ((0, 1), (0, 2), (1, 2))  # volume axes (i, j, k) shown horizontally / vertically in each plane
@@ -26,28 +28,34 @@ def query_voxel(query: Sequence[int] | None, size: Sequence[int]) -> tuple[int, 
     return tuple(int(v) for v in query)  # type: ignore[return-value]
 
 
-def query_maps(dense: torch.Tensor, grid: Sequence[int], prefix: int, voxel: Sequence[int], size: Sequence[int]
-               ) -> tuple[list[str], torch.Tensor, tuple[int, ...]]:
+def query_maps(rec, view, voxel: Sequence[int], size: Sequence[int]) -> tuple[list[str], torch.Tensor, tuple[int, ...]]:
     """The attention maps a query-voxel montage draws: each head's and the head mean's attention of the query
-    voxel's token to every patch token, and with prefix tokens the class token's (head mean).
+    voxel's token to every patch token, and with prefix tokens the class token's (head mean). Swin rows come
+    straight from the windows (no token x token matrix: 48^3 tokens in a 96^3 SwinUNETR's first stage).
 
     Args:
-        dense: (S, H, N, N) token x token attention (original token order, prefix tokens first).
-        grid: (gi, gj, gk) patch-token grid.
-        prefix: number of prefix tokens.
+        rec: :class:`~vitlab.models.AttentionRecord` of the forward pass.
+        view: the block (:class:`~vitlab.models.BlockView`).
         voxel: (i, j, k) query voxel of the model input.
         size: (I, J, K) model input in voxels.
 
     Returns:
-        Row labels, (S, R, P) maps over the P patch tokens, and the query token's grid index.
+        Row labels, (S, R, P) maps over the P patch tokens (rows of the dense form, original token order), and
+        the query token's grid index.
     """
+    grid, prefix = rec.grids[view.name], view.num_prefix_tokens
     token = query_token(voxel, size, grid)
-    q = prefix + (token[0] * grid[1] + token[1]) * grid[2] + token[2]
-    rows = dense[:, :, q, prefix:]  # (S, H, P)
+    q = (token[0] * grid[1] + token[1]) * grid[2] + token[2]
+    if view.window_size is not None:
+        probs, slots = rec.patch_windows(view.name)  # (S*G, H, T, T), (G, T)
+        rows, cls = window_query_rows(probs, slots, math.prod(grid), q), None  # (S, H, P)
+    else:
+        attention = rec.attentions[view.name]  # (S, H, N, N), prefix tokens first
+        rows, cls = attention[:, :, prefix + q, prefix:], attention[:, :, 0, prefix:] if prefix else None
     maps = [rows, rows.mean(1, keepdim=True)]
-    labels = [f"head {h}" for h in range(dense.shape[1])] + ["head mean"]
-    if prefix:
-        maps.append(dense[:, :, 0, prefix:].mean(1, keepdim=True))
+    labels = [f"head {h}" for h in range(rows.shape[1])] + ["head mean"]
+    if cls is not None:
+        maps.append(cls.mean(1, keepdim=True))
         labels.append("class token (head mean)")
     return labels, torch.cat(maps, 1), token
 
