@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from vitlab.analysis import attention_geometry
 from vitlab.analysis.attention_geometry import (attention_vs_distance, merge_distance_stats, orthogonal_planes, query_token,
                                                 token_centres, window_pairs)
 from vitlab.models.adapter import window_slot_tokens
@@ -40,7 +41,7 @@ def brute_force(probs, coords, edges, valid, pairs=None):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_attention_vs_distance_equals_brute_force(seed):
+def test_attention_vs_distance_equals_brute_force(seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     groups, tokens, heads, samples = 3, 6, 2, 2
     probs = torch.softmax(3 * torch.randn(samples * groups, heads, tokens, tokens, generator=g, dtype=torch.float64), -1)
@@ -48,6 +49,8 @@ def test_attention_vs_distance_equals_brute_force(seed):
     valid = torch.rand(groups, tokens, generator=g) > 0.2
     edges = torch.arange(0.0, 20.0, float(torch.rand(1, generator=g)) * 4 + 1, dtype=torch.float64)  # some pairs overflow
     pairs = torch.rand(groups, tokens, tokens, generator=g) > 0.3 if seed else None
+    if seed == 2:  # a group or two at a time, as for big windows
+        monkeypatch.setattr(attention_geometry, "_CHUNK", 2 * tokens * tokens)
     stats = attention_vs_distance(probs, coords, edges, valid, pairs)
     sums, counts, weighted, mass = brute_force(probs, coords, edges, valid, pairs)
     torch.testing.assert_close(stats.attention_sums, sums, rtol=1e-10, atol=1e-12)
@@ -114,3 +117,14 @@ def test_window_pairs_are_the_unmasked_pairs(grid, window, shift):
         assert torch.equal(pairs[g], partners[slots[g]][:, slots[g]])
     if any(shift):
         assert not bool(pairs.all())  # some pairs of a shifted window are masked apart
+    # attention_vs_distance's reach (what the probe passes) keeps exactly these pairs
+    token_size = [1.4, 2.5, 0.7][: len(grid)]
+    centres = token_centres(grid, token_size)
+    centres = torch.cat([centres, centres.new_zeros(1, len(grid))])[slots]
+    probs = torch.softmax(torch.randn(2 * slots.shape[0], 2, slots.shape[1], slots.shape[1], dtype=torch.float64), -1)
+    edges = torch.arange(0.0, 40.0, 3.0, dtype=torch.float64)
+    valid = slots < math.prod(grid)
+    by_mask = attention_vs_distance(probs, centres, edges, valid, pairs=pairs)
+    by_reach = attention_vs_distance(probs, centres, edges, valid, reach=[(w - 0.5) * t for w, t in zip(window, token_size)])
+    for field in ("pair_counts", "attention_sums", "weighted_distance", "mass"):
+        torch.testing.assert_close(getattr(by_reach, field), getattr(by_mask, field), rtol=0, atol=0)

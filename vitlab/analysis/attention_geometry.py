@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+_CHUNK = 1 << 21  # token pairs per step of attention_vs_distance
+
 __all__ = ["DistanceStats", "token_centres", "window_pairs", "attention_vs_distance", "merge_distance_stats", "orthogonal_planes", "query_token"]
 
 
@@ -80,7 +82,7 @@ def window_pairs(slots: Tensor, grid: Sequence[int], window: Sequence[int]) -> T
 
 
 def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, valid: Tensor | None = None,
-                          pairs: Tensor | None = None) -> DistanceStats:
+                          pairs: Tensor | None = None, reach: Sequence[float] | None = None) -> DistanceStats:
     """Sums of attention per query-key distance bin, and the attention-weighted distance, per head.
 
     Args:
@@ -92,6 +94,8 @@ def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, vali
         valid: (G, T) bool, False for pad slots (their pairs count nowhere); None: all valid.
         pairs: (G, T, T) bool, the pairs that count (e.g. :func:`window_pairs`: not masked apart); None: all
             pairs of valid slots.
+        reach: (D,) pairs count only when closer than this along every axis: Swin's (window - 1/2) x token
+            size keeps the pairs of :func:`window_pairs` without a (G, T, T) mask in memory.
 
     Returns:
         :class:`DistanceStats` of the batch (sums: merge batches with :func:`merge_distance_stats`).
@@ -109,22 +113,34 @@ def attention_vs_distance(probs: Tensor, coords: Tensor, bin_edges: Tensor, vali
         raise ValueError("attention_vs_distance: bin_edges must be 1-D, increasing, with at least 2 edges")
     valid = torch.ones(groups, tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
     heads, n_bins = probs.shape[1], edges.numel() - 1
-    distance = (coords[:, :, None] - coords[:, None]).norm(dim=-1)  # (G, T, T); not cdist: its matmul form misplaces pairs on bin edges
-    pair_ok = valid[:, :, None] & valid[:, None, :]  # (G, T, T)
-    if pairs is not None:
-        pair_ok = pair_ok & pairs.to(torch.bool).cpu()
-    index = torch.bucketize(distance, edges, right=True) - 1  # (G, T, T): bin of each pair
-    index = torch.where(distance == edges[-1], n_bins - 1, index)  # last bin closed
-    in_bin = pair_ok & (index >= 0) & (index < n_bins)
-    index = torch.where(in_bin, index, n_bins)  # overflow slot n_bins, dropped below
-    p = probs.detach().to(torch.float64).cpu().reshape(-1, groups, heads, tokens, tokens) * pair_ok[None, :, None]  # (B, G, H, T, T)
-    samples = p.shape[0]
-    per_group = p.sum(0)  # (G, H, T, T) summed over samples
+    windows = probs.detach().reshape(-1, groups, heads, tokens, tokens)  # (B, G, H, T, T)
+    samples = windows.shape[0]
     sums = torch.zeros(heads, n_bins + 1, dtype=torch.float64)
-    sums.index_add_(1, index.reshape(-1), per_group.permute(1, 0, 2, 3).reshape(heads, -1))
-    counts = torch.bincount(index.reshape(-1), minlength=n_bins + 1)[:n_bins].to(torch.float64) * samples
-    weighted = (per_group * distance[:, None]).sum(dim=(0, 2, 3))  # (H,)
-    return DistanceStats(edges, counts, sums[:, :n_bins], weighted, per_group.sum(dim=(0, 2, 3)))
+    counts = torch.zeros(n_bins + 1, dtype=torch.float64)
+    weighted = torch.zeros(heads, dtype=torch.float64)
+    mass = torch.zeros(heads, dtype=torch.float64)
+    step = max(1, _CHUNK // (tokens * tokens))  # groups at a time: memory bounded also for 7^3-token windows
+    for g in range(0, groups, step):
+        part = slice(g, g + step)
+        distance = (coords[part, :, None] - coords[part, None]).norm(dim=-1)  # (g, T, T); not cdist: its matmul form misplaces pairs on bin edges
+        pair_ok = valid[part, :, None] & valid[part, None, :]  # (g, T, T)
+        if pairs is not None:
+            pair_ok = pair_ok & pairs[part].to(torch.bool).cpu()
+        if reach is not None:
+            offset = (coords[part, :, None] - coords[part, None]).abs()  # (g, T, T, D)
+            pair_ok = pair_ok & (offset < torch.tensor(reach, dtype=torch.float64)).all(-1)
+        index = torch.bucketize(distance, edges, right=True) - 1  # (g, T, T): bin of each pair
+        index = torch.where(distance == edges[-1], n_bins - 1, index)  # last bin closed
+        index = torch.where(pair_ok & (index >= 0) & (index < n_bins), index, n_bins)  # overflow slot n_bins, dropped below
+        per_group = torch.zeros(pair_ok.shape[0], heads, tokens, tokens, dtype=torch.float64)  # summed over samples
+        for sample in windows[:, part].cpu():
+            per_group += sample.to(torch.float64)
+        per_group *= pair_ok[:, None]
+        sums.index_add_(1, index.reshape(-1), per_group.transpose(0, 1).reshape(heads, -1))
+        counts += torch.bincount(index.reshape(-1), minlength=n_bins + 1).to(torch.float64) * samples
+        weighted += (per_group * distance[:, None]).sum(dim=(0, 2, 3))
+        mass += per_group.sum(dim=(0, 2, 3))
+    return DistanceStats(edges, counts[:n_bins], sums[:, :n_bins], weighted, mass)
 
 
 def merge_distance_stats(parts: Sequence[DistanceStats]) -> DistanceStats:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab import models
-from vitlab.analysis.attention_geometry import DistanceStats, attention_vs_distance, merge_distance_stats, token_centres, window_pairs
+from vitlab.analysis.attention_geometry import DistanceStats, attention_vs_distance, merge_distance_stats, token_centres
 from vitlab.analysis.rollout import attention_rollout, pool_tokens, pool_window_attention, rollout_map
 from vitlab.analysis.stats import AngleStats, attention_vs_angle
 from vitlab.probes.activations import add_recording_arguments, block_label, record_batches, require_attention, selected_blocks
@@ -192,10 +192,11 @@ def token_statistics(ctx, stream, views) -> None:
             groups = padded[:, slots.reshape(-1)].reshape(-1, slots.shape[1], h.shape[2])  # (b*G, T, C)
             parts[view.name].append((attention_vs_angle(probs, groups, args.bin_degrees), probs.shape[0]))
             grid = rec.attention.grids[view.name]
-            centres = token_centres(grid, [n * u / g for n, u, g in zip(size, unit_size, grid)])  # (P, D) mm or px
+            token_size = [n * u / g for n, u, g in zip(size, unit_size, grid)]  # mm or px
+            centres = token_centres(grid, token_size)  # (P, D)
             centres = torch.cat([centres, centres.new_zeros(1, centres.shape[1])])  # pad slot -> row P
-            pairs = window_pairs(slots, grid, view.window_size) if view.window_size is not None else None  # Swin: not masked apart
-            distances[view.name].append(attention_vs_distance(probs, centres[slots], edges, slots < centres.shape[0] - 1, pairs))
+            reach = None if view.window_size is None else [(w - 0.5) * t for w, t in zip(view.window_size, token_size)]  # Swin: not masked apart
+            distances[view.name].append(attention_vs_distance(probs, centres[slots], edges, slots < centres.shape[0] - 1, reach=reach))
     count = stream.count
     distance_outputs(ctx, views, {name: merge_distance_stats(p) for name, p in distances.items()}, unit, count)
     merged = {view.name: combine_angle_stats(parts[view.name]) for view in views}
