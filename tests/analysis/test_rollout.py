@@ -72,3 +72,40 @@ def test_rollout_rejects_mixed_resolutions():
         attention_rollout(attns)
     with pytest.raises(ValueError, match="head_fusion"):
         attention_rollout(attns[:1], head_fusion="sum")
+
+
+@pytest.mark.parametrize("grid,f", [((4, 6, 2), 2), ((4, 4, 4), 4), ((2, 4, 6), 2)])
+def test_pool_tokens_3d_equals_merge_matrices(grid, f):
+    """3-D grids (SwinUNETR stages): each coarse token merges f^3 fine ones; an independent merge-matrix form."""
+    n = grid[0] * grid[1] * grid[2]
+    attn = _random_attention(2, 2, n, 1, seed=7 + f)[0]
+    coarse = tuple(g // f for g in grid)
+    merge = torch.zeros(n // f**3, n, dtype=torch.float64)
+    for t in range(n):
+        i, rest = divmod(t, grid[1] * grid[2])
+        j, k = divmod(rest, grid[2])
+        merge[((i // f) * coarse[1] + j // f) * coarse[2] + k // f, t] = 1.0
+    pooled = pool_tokens(attn, grid, factor=f)
+    torch.testing.assert_close(pooled, (merge / f**3) @ attn @ merge.T, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(pooled.sum(-1), torch.ones(2, 2, n // f**3, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert rollout_map(attention_rollout([pooled]), 0, coarse).shape == (2, *coarse)
+
+
+@pytest.mark.parametrize("grid,window,shift,factor", [((8, 8, 8), (4, 4, 4), (2, 2, 2), 4), ((4, 4, 4), (4, 4, 4), (0, 0, 0), 2),
+                                                      ((8, 12), (4, 4), (2, 2), 2), ((7, 7), (4, 4), (2, 2), 7)])
+def test_window_forms_equal_the_dense_form(grid, window, shift, factor):
+    """Pooling and query rows straight from Swin windows = the same from the dense token x token matrix."""
+    from vitlab.models.adapter import window_slot_tokens
+    from vitlab.models.attention import dense_window_attention
+    from vitlab.analysis.rollout import pool_window_attention, window_query_rows
+
+    slots = window_slot_tokens(grid, window, shift, False)
+    n = 1
+    for side in grid:
+        n *= side
+    g = torch.Generator().manual_seed(sum(grid))
+    probs = torch.softmax(torch.randn(2 * slots.shape[0], 3, slots.shape[1], slots.shape[1], generator=g, dtype=torch.float64), -1)
+    dense = dense_window_attention(probs, slots, n)  # (2, 3, N, N)
+    torch.testing.assert_close(pool_window_attention(probs, slots, grid, factor), pool_tokens(dense, grid, factor), rtol=1e-12, atol=1e-14)
+    for token in (0, n // 2, n - 1):
+        assert torch.equal(window_query_rows(probs, slots, n, token), dense[:, :, token])

@@ -214,8 +214,21 @@ def test_attention_vit_matches_single_pass(tmp_path, weights, image_dir):
             row = next(r for r in masses if r["layer"] == name and int(r["head"]) == head)
             for key in ("mass_below_90", "mass_above_90", "self_attention"):
                 assert float(row[key]) == pytest.approx(float(getattr(expected, key)[head]), rel=1e-5)
+    # attention vs distance in 2-D: pixels between token centres; mean attention distance by brute force
+    size = models.input_size(model)[1:]
+    means = {(r["layer"], int(r["head"])): r for r in read_csv(out / "attention_distance_mean.csv")}
+    for name in ("stage0.block0", "stage0.block1"):
+        grid, probs = rec.grids[name], rec.attentions[name][:, :, 1:, 1:].double()
+        step = [n / g for n, g in zip(size, grid)]
+        cells = [(i, j) for i in range(grid[0]) for j in range(grid[1])]
+        dist = torch.tensor([[math.hypot((a[0] - b[0]) * step[0], (a[1] - b[1]) * step[1]) for b in cells] for a in cells], dtype=torch.float64)
+        for head in range(2):
+            row = means[name, head]
+            assert row["unit"] == "px"
+            assert float(row["mean_attention_distance"]) == pytest.approx(float((probs[:, head] * dist).sum() / probs[:, head].sum()), rel=1e-5)
     ev = events(out)
     images = ev.Tags()["images"]
+    assert "attention_distance/stage0.block1 (x: query-key distance in px; lines: heads)" in images
     assert any(t.startswith("attention_map/stage0.block1") for t in images) and any(t.startswith("attention_rollout") for t in images)
     assert "attention_angle/stage0.block0" in images
     panel = ev.Images(next(t for t in images if t.startswith("attention_map/stage0.block0")))[0]

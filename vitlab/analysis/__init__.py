@@ -25,6 +25,7 @@ from vitlab.analysis.mi import (
     ksg_mi,
     mi_vs_distance,
 )
+from vitlab.analysis.attention_geometry import DistanceStats, attention_vs_distance, merge_distance_stats, orthogonal_planes, query_token, token_centres, window_pairs
 from vitlab.analysis.rollout import attention_rollout, pool_tokens, rollout_map
 from vitlab.analysis.spectra import QKSpectra, block_spectra, effective_rank, qk_matrices, qk_spectra
 from vitlab.analysis.stats import AngleStats, attention_vs_angle, excess_kurtosis, linear_cka
@@ -65,4 +66,11 @@ __all__ = [
     "attention_rollout",
     "rollout_map",
     "pool_tokens",
+    "DistanceStats",
+    "attention_vs_distance",
+    "merge_distance_stats",
+    "orthogonal_planes",
+    "query_token",
+    "token_centres",
+    "window_pairs",
 ]

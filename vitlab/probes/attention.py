@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -11,15 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from vitlab import models
-from vitlab.analysis.rollout import attention_rollout, pool_tokens, rollout_map
+from vitlab.analysis.attention_geometry import DistanceStats, attention_vs_distance, merge_distance_stats, token_centres
+from vitlab.analysis.rollout import attention_rollout, pool_tokens, pool_window_attention, rollout_map
 from vitlab.analysis.stats import AngleStats, attention_vs_angle
 from vitlab.probes.activations import add_recording_arguments, block_label, record_batches, require_attention, selected_blocks
+from vitlab.probes.attention_volume import montage_figure, montage_title, query_maps, query_voxel, rollout_maps
 from vitlab.probes.common import add_common_arguments
 from vitlab.outputs.images import hstack_panels, vstack_panels
 from vitlab.outputs.figures import heatmap_figure
 from vitlab.outputs.files import write_csv
 
-HELP = """Attention maps per block and head on the image, attention rollout, and attention vs patch angle (Philip et al.).
+HELP = """Attention maps per block and head on the image, attention rollout, attention vs patch angle (Philip et al.)
+and attention vs query-key distance.
 
 Maps: the class token's attention to the patches (models without one, e.g. Swin via its dense token x token
 form: the attention each patch receives, averaged over queries), overlaid on the first --show images.
@@ -27,6 +31,13 @@ Rollout (Abnar & Zuidema 2020) through all blocks (Swin stages pooled to the las
 per 5-degree bin of the angle between the patch embeddings (norm1 output) of query and key, per head and
 block, and the attention mass on similar (< 90 deg) vs dissimilar (> 90 deg) patches; attention_angle.csv,
 attention_mass.csv.
+Distance: mean attention weight per distance bin between query and key token centres, per block and head, and
+the attention-weighted mean distance (Dosovitskiy et al.'s attention distance); patch tokens only, Swin pairs
+within a window; attention_distance.csv, attention_distance_mean.csv. In mm for 3-D models, in pixels for 2-D.
+
+3-D models (volumes, SPEC §11): per block, the attention of the token holding a query voxel (--query, default
+the centre voxel) drawn on the axial, coronal and sagittal slices through it (per head, head mean, and the
+class token's where there is one); rollout the same way (SwinUNETR stages pooled to the last grid).
 
 example:
   python probe.py attention --checkpoint runs/quickstart/version_0/checkpoints/last.ckpt --num-images 64 --show 4
@@ -42,50 +53,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bin-degrees", type=float, default=5.0, help="angle bin width in degrees (default 5)")
     group.add_argument("--residual-weight", type=float, default=0.5, help="rollout: weight of the identity (residual) in each layer (default 0.5)")
     group.add_argument("--head-fusion", default="mean", choices=["mean", "max", "min"], help="rollout: how heads are combined (default mean)")
+    group.add_argument("--query", type=int, nargs=3, metavar=("I", "J", "K"), default=None,
+                       help="3-D models: query voxel (model input coordinates) whose attention is drawn (default: the centre voxel)")
+    group.add_argument("--distance-bin-mm", type=float, default=5.0,
+                       help="attention vs distance: bin width in mm for 3-D models (default 5); 2-D models: bins of one first-block patch (px)")
 
 
 def run(ctx) -> None:
     args = ctx.args
     require_attention(ctx.model, "attention")
-    if args.show < 0 or args.panel_px < 8:
-        raise ValueError(f"--show must be >= 0 and --panel-px >= 8, got {args.show} and {args.panel_px}")
-    batch = ctx.images(DEFAULT_IMAGES)
+    if args.show < 0 or args.panel_px < 8 or args.distance_bin_mm <= 0:
+        raise ValueError(f"--show must be >= 0, --panel-px >= 8 and --distance-bin-mm > 0, got {args.show}, {args.panel_px} and {args.distance_bin_mm}")
+    stream = ctx.image_stream(DEFAULT_IMAGES, volumes=True)  # volumes for a 3-D model, images otherwise
+    if args.query is not None and not stream.volumetric:
+        raise ValueError("--query I J K: a voxel of a 3-D model's input; this model takes 2-D images")
     views = selected_blocks(ctx.model, args.blocks)
-    if args.show:
-        draw_maps(ctx, batch.pixels[: args.show], batch.inputs[: args.show], views)
-    angle_statistics(ctx, batch.inputs, views)
+    show = min(args.show, stream.count)
+    if show:
+        pixels, _ = next(stream.pixel_batches(show))  # (S, C, H, W) or (S, C, I, J, K)
+        draw_maps(ctx, pixels, next(stream.batches(show)), views, stream.spacing)
+    token_statistics(ctx, stream, views)
 
 
 # ---------------------------------------------------------------------------------------------- maps
 
 
-def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views) -> None:
-    """Per selected block: images x (image, heads, head mean) map panels; rollout through all blocks."""
+def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: tuple[float, float, float] | None = None) -> None:
+    """Per selected block: images x (image, heads, head mean) map panels; rollout through all blocks.
+
+    3-D models (``spacing``: mm per voxel): per selected block and volume a montage of the query voxel's token's
+    attention on three orthogonal slices (:mod:`vitlab.probes.attention_volume`), rollout the same way.
+    """
     args = ctx.args
     everything = models.blocks(ctx.model)  # rollout needs every block, not just the selected ones
+    size = tuple(models.input_size(ctx.model)[1:])  # (H, W) or (I, J, K)
+    voxel = query_voxel(args.query, size) if spacing is not None else None
     with torch.no_grad(), models.record_attention(ctx.model, to_cpu=True) as rec:
         ctx.model(inputs.to(ctx.device))
     chosen = {view.name for view in views}
     last_grid = rec.grids[everything[-1].name]
     pooled, skipped = [], None
     for view in everything:
-        dense = rec.dense(view.name)  # (S, H, N, N), original token order
         grid, prefix = rec.grids[view.name], view.num_prefix_tokens
-        if view.name in chosen:
+        if view.name in chosen and voxel is not None:
+            labels, maps, token = query_maps(rec, view, voxel, size)  # (S, R, P)
+            what = f"{block_label(view)}: attention of the query token to every token"
+            for s, volume in enumerate(pixels):
+                fig = montage_figure(volume, maps[s], labels, grid, token, voxel, spacing, montage_title(what, voxel, token, grid, size, spacing, f"volume {s}"))
+                ctx.writer.add_figure(f"attention_query/{view.name} volume {s} (rows: {', '.join(labels)}; columns: axial, coronal, sagittal)", fig, view.global_index)
+        elif view.name in chosen:
+            dense = rec.dense(view.name)  # (S, H, N, N), original token order
             maps = rollout_map(dense.flatten(0, 1), prefix, grid).reshape(dense.shape[0], dense.shape[1], *grid)  # (S, H, gh, gw)
             panel = map_panel(pixels, torch.cat([maps, maps.mean(1, keepdim=True)], 1), args.panel_px)
             ctx.writer.add_image(f"attention_map/{view.name} (rows: images; columns: image, heads 0-{dense.shape[1] - 1}, head mean)", panel, view.global_index)
         factor = grid[0] // last_grid[0]
-        if factor < 1 or grid != (factor * last_grid[0], factor * last_grid[1]) or (factor > 1 and prefix):
+        if factor < 1 or tuple(grid) != tuple(factor * g for g in last_grid) or (factor > 1 and prefix):
             skipped = f"{view.name} has grid {grid}, not a multiple of the last grid {last_grid}"
+        elif skipped is None and view.window_size is not None:  # Swin: pooled from the windows, no N x N matrix
+            pooled.append(pool_window_attention(*rec.patch_windows(view.name), grid, factor))
         elif skipped is None:
+            dense = rec.attentions[view.name]  # (S, H, N, N) as recorded
             pooled.append(pool_tokens(dense, grid, factor) if factor > 1 else dense)
     if skipped is not None:
         print(f"probe.py attention: no rollout: {skipped}")
         return
     rollout = attention_rollout(pooled, residual_weight=args.residual_weight, head_fusion=args.head_fusion)  # (S, N, N)
-    maps = rollout_map(rollout, everything[-1].num_prefix_tokens, last_grid)  # (S, gh, gw)
-    ctx.writer.add_image("attention_rollout (rows: images; columns: image, rollout)", map_panel(pixels, maps[:, None], args.panel_px), 0)
+    prefix = everything[-1].num_prefix_tokens
+    if voxel is not None:
+        labels, maps, token = rollout_maps(rollout, last_grid, prefix, voxel, size)
+        what = f"attention rollout through all {len(everything)} blocks" + (" (stages pooled to the last grid)" if len(set(rec.grids.values())) > 1 else "")
+        for s, volume in enumerate(pixels):
+            fig = montage_figure(volume, maps[s], labels, last_grid, token, voxel, spacing, montage_title(what, voxel, token, last_grid, size, spacing, f"volume {s}"),
+                                 colour_label="rollout weight")
+            ctx.writer.add_figure(f"attention_rollout/volume {s} (rows: {', '.join(labels)}; columns: axial, coronal, sagittal)", fig, 0)
+    else:
+        maps = rollout_map(rollout, prefix, last_grid)  # (S, gh, gw)
+        ctx.writer.add_image("attention_rollout (rows: images; columns: image, rollout)", map_panel(pixels, maps[:, None], args.panel_px), 0)
     ctx.writer.flush()
 
 
@@ -126,21 +169,36 @@ def to_uint8(image: torch.Tensor) -> np.ndarray:
     return (image.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
 
 
-# ---------------------------------------------------------------------------------------------- angle
+# ---------------------------------------------------------------------------------------------- angle and distance
 
 
-def angle_statistics(ctx, inputs: torch.Tensor, views) -> None:
-    """Attention against the angle between query and key patch embeddings, merged over all images."""
+def token_statistics(ctx, stream, views) -> None:
+    """One streamed pass over all images (memory: one batch): attention vs patch angle and vs token distance."""
     args = ctx.args
+    size = tuple(models.input_size(ctx.model)[1:])  # (H, W) or (I, J, K)
+    unit_size = stream.spacing or (1.0,) * len(size)  # mm per voxel (3-D) or one pixel (2-D)
+    unit = "mm" if stream.volumetric else "px"
     parts: dict[str, list[tuple[AngleStats, int]]] = {view.name: [] for view in views}
-    for rec in record_batches(ctx.model, inputs, ["qkv_input"], views, args.batch_size, ctx.device, "attention: angles", attention=True):
+    distances: dict[str, list[DistanceStats]] = {view.name: [] for view in views}
+    edges = None
+    for rec in record_batches(ctx.model, stream.batches(args.batch_size), ["qkv_input"], views, args.batch_size, ctx.device,
+                              "attention: angles and distances", attention=True, total=stream.count):
+        if edges is None:
+            edges = distance_bins(size, unit_size, [rec.attention.grids[v.name] for v in views], args.distance_bin_mm if stream.volumetric else None)
         for view in views:
             probs, slots = rec.attention.patch_windows(view.name)  # (b*G, H, T, T), (G, T)
             h = rec.capture[view.name, "qkv_input"]  # (b, P, C) patch tokens
             padded = torch.cat([h, h.new_zeros(h.shape[0], 1, h.shape[2])], 1)  # pad slots -> zero vector
             groups = padded[:, slots.reshape(-1)].reshape(-1, slots.shape[1], h.shape[2])  # (b*G, T, C)
             parts[view.name].append((attention_vs_angle(probs, groups, args.bin_degrees), probs.shape[0]))
-    count = inputs.shape[0]
+            grid = rec.attention.grids[view.name]
+            token_size = [n * u / g for n, u, g in zip(size, unit_size, grid)]  # mm or px
+            centres = token_centres(grid, token_size)  # (P, D)
+            centres = torch.cat([centres, centres.new_zeros(1, centres.shape[1])])  # pad slot -> row P
+            reach = None if view.window_size is None else [(w - 0.5) * t for w, t in zip(view.window_size, token_size)]  # Swin: not masked apart
+            distances[view.name].append(attention_vs_distance(probs, centres[slots], edges, slots < centres.shape[0] - 1, reach=reach))
+    count = stream.count
+    distance_outputs(ctx, views, {name: merge_distance_stats(p) for name, p in distances.items()}, unit, count)
     merged = {view.name: combine_angle_stats(parts[view.name]) for view in views}
     bins, masses = [], []
     for view in views:
@@ -211,6 +269,58 @@ def angle_figure(view, stats: AngleStats, count: int):
     ax.set_zorder(twin.get_zorder() + 1)
     ax.patch.set_visible(False)
     ax.set_title(f"{block_label(view)}: attention vs patch angle, N = {count} images", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def distance_bins(size, unit_size, grids, width: float | None) -> torch.Tensor:
+    """Bin edges 0, w, 2w, ... covering the input's diagonal; ``width`` None (2-D): one patch of the finest grid."""
+    if width is None:
+        width = min(n * u / g for grid in grids for n, u, g in zip(size, unit_size, grid))
+    diagonal = math.sqrt(sum((n * u) ** 2 for n, u in zip(size, unit_size)))
+    return torch.arange(math.ceil(diagonal / width) + 1, dtype=torch.float64) * width
+
+
+def distance_outputs(ctx, views, stats: dict[str, DistanceStats], unit: str, count: int) -> None:
+    """attention_distance.csv (per bin) and attention_distance_mean.csv (per head), a figure per block, a blocks x heads heatmap."""
+    bins, means = [], []
+    for view in views:
+        s = stats[view.name]
+        mean_attention, mean_distance = s.mean_attention, s.mean_distance  # (H, bins), (H,)
+        for head in range(mean_attention.shape[0]):
+            means.append({"layer": view.name, "block_index": view.global_index, "head": head, "unit": unit,
+                          "mean_attention_distance": float(mean_distance[head]), "attention_mass": float(s.mass[head]), "n_images": count})
+            for b in range(s.pair_counts.numel()):
+                if s.pair_counts[b] > 0:
+                    bins.append({"layer": view.name, "block_index": view.global_index, "head": head, "unit": unit, "bin_low": float(s.bin_edges[b]),
+                                 "bin_high": float(s.bin_edges[b + 1]), "pairs": int(s.pair_counts[b]), "mean_attention": float(mean_attention[head, b])})
+        ctx.writer.add_scalar(f"attention_distance/mean_distance_{unit} (head mean)", float(mean_distance.mean()), view.global_index)
+        ctx.writer.add_figure(f"attention_distance/{view.name} (x: query-key distance in {unit}; lines: heads)", distance_figure(view, s, unit, count), view.global_index)
+    write_csv(ctx.out / "attention_distance.csv", bins)
+    write_csv(ctx.out / "attention_distance_mean.csv", means)
+    heads = max(stats[v.name].mass.numel() for v in views)
+    grid = torch.full((len(views), heads), float("nan"))
+    for i, view in enumerate(views):
+        grid[i, : stats[view.name].mass.numel()] = stats[view.name].mean_distance.float()
+    fig = heatmap_figure(grid, title=f"mean attention distance, N = {count}", xlabel="head", ylabel="block",
+                         xticklabels=[str(h) for h in range(heads)], yticklabels=[v.name for v in views], cmap="viridis",
+                         colorbar_label=f"mean attention distance ({unit})")
+    ctx.writer.add_figure(f"attention_distance/mean distance (blocks x heads, {unit})", fig, 0)
+    print(f"probe.py attention: mean attention distance ({unit}), head mean per block ({count} images): "
+          + ", ".join(f"{v.name} {float(stats[v.name].mean_distance.mean()):.1f}" for v in views))
+
+
+def distance_figure(view, stats: DistanceStats, unit: str, count: int):
+    """Mean attention weight per distance bin, one line per head (legend: the head's mean attention distance)."""
+    fig, ax = plt.subplots(figsize=(5.8, 3.6), dpi=90)
+    filled = stats.pair_counts > 0
+    centres = (0.5 * (stats.bin_edges[1:] + stats.bin_edges[:-1]))[filled].numpy()
+    for head in range(stats.mass.numel()):
+        ax.plot(centres, stats.mean_attention[head, filled].numpy(), marker=".", label=f"head {head}: mean {float(stats.mean_distance[head]):.1f} {unit}")
+    ax.set_xlabel(f"distance between query and key token centres ({unit})")
+    ax.set_ylabel("mean attention weight")
+    ax.set_title(f"{block_label(view)}: attention vs distance, N = {count}", fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     return fig
