@@ -14,7 +14,6 @@ import copy
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-import torch
 from torch import Tensor, nn
 
 from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings

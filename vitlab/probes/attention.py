@@ -35,7 +35,7 @@ Distance: mean attention weight per distance bin between query and key token cen
 the attention-weighted mean distance (Dosovitskiy et al.'s attention distance); patch tokens only, Swin pairs
 within a window; attention_distance.csv, attention_distance_mean.csv. In mm for 3-D models, in pixels for 2-D.
 
-3-D models (volumes, SPEC §11): per block, the attention of the token holding a query voxel (--query, default
+3-D models (volumes): per block, the attention of the token holding a query voxel (--query, default
 the centre voxel) drawn on the axial, coronal and sagittal slices through it (per head, head mean, and the
 class token's where there is one); rollout the same way (SwinUNETR stages pooled to the last grid).
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from vitlab.analysis.spectra import block_spectra  # noqa: F401  (the report's input, imported from here too)
 from vitlab.qkv.state import block_stage
