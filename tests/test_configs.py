@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from vitlab.cli import fit, train_main
 
@@ -57,8 +58,11 @@ def test_volume_config_trains_one_step(config, tmp_path, monkeypatch):
         "--runtime.workers", "0", "--data.batch_size", "4", "--data.val_fraction", "0.5",
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+        *(["--trainer.precision", "bf16-mixed"] if config.stem == "quickstart_volume" else []),  # SwinUNETR under CPU autocast
     ])
     assert cli.trainer.global_step == 1 and cli.datamodule.volume_options is not None
+    if config.stem == "quickstart_volume":
+        assert cli.trainer.precision == "bf16-mixed" and torch.isfinite(cli.trainer.callback_metrics["train/loss_step"])
 
 
 @pytest.mark.parametrize("config", DENSE, ids=lambda c: c.stem)
