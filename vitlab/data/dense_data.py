@@ -60,7 +60,7 @@ class DenseImageData(ImageData):
 
             return VolumeDataset(self.samples(split), self.class_names, self.volume_options, self.read_options, self.spacing,
                                  self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
-                                 num_mask_classes=self.num_mask_classes)
+                                 num_mask_classes=self.num_mask_classes, flip=augmented and self.volume_flip)
         return DenseDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,

@@ -95,6 +95,9 @@ class ImageData:
             keeps each volume's own.
         volume_size: ``sample: volume``: voxels along i, j, k after a centred crop / pad (required: a batch stacks
             volumes of one shape).
+        volume_flip: ``sample: volume``: training volumes (and their label maps) flipped along each of i, j, k with
+            probability 0.5, drawn from (seed, epoch, index) as the 2-D augmentations are (whatever the loader
+            workers); validation and test volumes are never flipped.
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
             a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
@@ -136,6 +139,7 @@ class ImageData:
         volumes_in_memory: int = 4,
         spacing: list[float] | None = None,
         volume_size: list[int] | None = None,
+        volume_flip: bool = False,
     ) -> None:
         embedded = embedded_options(embedded_kwargs)
         embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
@@ -178,7 +182,9 @@ class ImageData:
         elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None:
             raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size apply to volumes: "
                              "set data.sample to slice, slab or volume")
-        self.spacing, self.volume_size = spacing, volume_size
+        if volume_flip and sample != "volume":
+            raise ValueError("data.volume_flip flips whole volumes: set data.sample to volume")
+        self.spacing, self.volume_size, self.volume_flip = spacing, volume_size, bool(volume_flip)
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
         self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
@@ -358,7 +364,8 @@ class ImageData:
             samples = [s for s in samples if s.label != UNLABELLED]
         if self.volume_options is not None and self.volume_options.sample == "volume":
             return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
-                                 self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths)
+                                 self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
+                                 flip=augmented and self.volume_flip)
         return MedicalImageDataset(
             samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
