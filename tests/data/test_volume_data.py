@@ -326,3 +326,38 @@ def test_patches_without_a_volume_size_and_bad_patch_options(tmp_path):
     for kwargs, expected in cases:
         with pytest.raises(ValueError, match=expected):
             DenseImageData(str(root), **kwargs)
+
+
+def test_volume_flips_are_keyed_by_seed_epoch_and_index():
+    """data.volume_flip: a training volume and its label map flipped along the same axes, the same for the same
+    (seed, epoch, index) whatever the process, different across epochs; validation volumes never flipped."""
+    from itertools import combinations
+
+    from vitlab.data.datamodule import DenseDataModule
+    from vitlab.data.sampling import KeyedAugmentation
+
+    kwargs = dict(root=None, embedded_kwargs={"patients": 4, "size": 32, "slices": 8}, sample="volume",
+                  volume_size=[32, 32, 8], mask_classes=["lesion"], window="soft_tissue", num_workers=0, batch_size=2)
+    plain, flipped = DenseDataModule(**kwargs), DenseDataModule(**kwargs, volume_flip=True)
+    plain.setup("fit")
+    flipped.setup("fit")
+    base = plain.dataset("train", augmented=True)
+    keyed = KeyedAugmentation(flipped.dataset("train", augmented=True), seed=0)
+    again = KeyedAugmentation(flipped.dataset("train", augmented=True), seed=0)  # (another loader process)
+    subsets = [list(c) for n in range(4) for c in combinations(range(3), n)]
+    seen = set()
+    for epoch in range(4):
+        for index in range(len(base)):
+            image, target = base[index]
+            out, out_target = keyed[(index, epoch)]
+            other, _ = again[(index, epoch)]
+            assert torch.equal(out, other)
+            axes = [a for a in subsets if torch.equal(image.flip([i + 1 for i in a]) if a else image, out)][0]
+            assert torch.equal(target["mask"].flip(axes) if axes else target["mask"], out_target["mask"])
+            seen.add(tuple(axes))
+    assert len(seen) > 2
+    val_plain, val_flipped = plain.dataset("val"), flipped.dataset("val")
+    for index in range(len(val_plain)):
+        assert torch.equal(val_plain[index][0], val_flipped[index][0])
+    with pytest.raises(ValueError, match="volume_flip"):
+        DenseDataModule(**{**kwargs, "sample": "slice", "volume_size": None}, volume_flip=True)

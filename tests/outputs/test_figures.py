@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from vitlab.qkv.drift import report_drift
 from vitlab.qkv.spectra import block_spectra, report_spectra
-from vitlab.outputs.figures import Figure, Heatmap, StageCurves, confusion_matrix, new_figure
+from vitlab.outputs.figures import Figure, Heatmap, LocalDrift, StageCurves, confusion_matrix, new_figure
 from vitlab.runtime import FigureWorker
 
 HEADS = {"stage0.block0": 2, "stage1.block0": 4}
@@ -385,3 +385,24 @@ def test_a_paused_worker_ends_with_a_killed_training_process(tmp_path):
             pytest.fail("the paused figure worker outlived its killed parent")
     finally:
         parent.kill()
+
+
+def test_blocks_of_one_layout_share_a_kept_local_drift_map(tmp_path):
+    """Two blocks with the same heads x rows share one kept figure (built once); each tag's images, its first
+    included, are pixel for pixel a new figure's, titles (block names) and colour ranges included."""
+    gen = torch.Generator().manual_seed(7)
+    writers = {name: SummaryWriter(str(tmp_path / name)) for name in ("fresh", "reused")}
+    worker = FigureWorker(process=False)
+    for step in (1, 2):
+        for block, scale in (("stage0.block0", 1.0), ("stage0.block1", 30.0), ("stage1.block0", 2.0)):
+            rows = 4 if block.startswith("stage1") else 3
+            grids = {name: [(torch.rand(rows, 5, generator=gen) * scale * step).numpy() for _ in "qkv"]
+                     for name in ("cosine_distance", "euclidean")}
+            figure = LocalDrift(block, grids, step)
+            writers["fresh"].add_figure(f"drift_local/{block}", figure.build(), step)
+            worker.submit(writers["reused"], f"drift_local/{block}", step, figure)
+    for writer in writers.values():
+        writer.close()
+    assert worker.builds == {"drift_local/stage0.block0": 1, "drift_local/stage1.block0": 1}  # block1: block0's figure
+    fresh = _images(tmp_path / "fresh")
+    assert len(fresh) == 6 and _images(tmp_path / "reused") == fresh

@@ -117,6 +117,9 @@ class ImageData:
             and test keep whole volumes. None: training on whole volumes.
         patch_foreground: With ``patch_size`` and label maps: the probability that a patch is centred on a random
             lesion (foreground) voxel rather than placed uniformly (MONAI's ``pos / (pos + neg)``; default 0.5).
+        volume_flip: ``sample: volume``: training volumes or patches (and their label maps) flipped along each of i,
+            j, k with probability 0.5, drawn from (seed, epoch, index) as the 2-D augmentations are (whatever the loader
+            workers); validation and test volumes are never flipped.
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
             a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
@@ -160,6 +163,7 @@ class ImageData:
         volume_size: list[int] | None = None,
         patch_size: list[int] | None = None,
         patch_foreground: float = 0.5,
+        volume_flip: bool = False,
     ) -> None:
         embedded = embedded_options(embedded_kwargs)
         embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
@@ -205,7 +209,9 @@ class ImageData:
         elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None or patch_size is not None:
             raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size / data.patch_size apply to volumes: "
                              "set data.sample to slice, slab or volume")
-        self.spacing, self.volume_size = spacing, volume_size
+        if volume_flip and sample != "volume":
+            raise ValueError("data.volume_flip flips whole volumes: set data.sample to volume")
+        self.spacing, self.volume_size, self.volume_flip = spacing, volume_size, bool(volume_flip)
         self.patch_size, self.patch_foreground = patch_size, patch_foreground
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
@@ -397,11 +403,11 @@ class ImageData:
 
     def volume_dataset(self, samples: list[Sample], augmented: bool, num_mask_classes: int | None = None) -> VolumeDataset:
         """Whole volumes of ``samples`` (``data.sample: volume``); ``augmented`` (training): random patches when
-        ``data.patch_size`` is set."""
+        ``data.patch_size`` is set, flips with ``data.volume_flip``."""
         return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
                              self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
                              num_mask_classes=num_mask_classes, patch_size=self.patch_size if augmented else None,
-                             patch_foreground=self.patch_foreground)
+                             patch_foreground=self.patch_foreground, flip=augmented and self.volume_flip)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,

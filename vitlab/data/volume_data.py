@@ -293,12 +293,33 @@ def within_classes(sample: Sample, labels: np.ndarray, num_classes: int) -> np.n
     return labels
 
 
+class KeyedFlips:
+    """The transform of a :class:`VolumeDataset`: which of the axes i, j, k an item is flipped along (each with
+    probability 0.5; none when ``enabled`` is false), drawn from the generator
+    :class:`~vitlab.data.sampling.KeyedAugmentation` sets for each sample (unseeded outside it: a fresh draw)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._rng: np.random.Generator | None = None
+
+    def set_random_state(self, rng: np.random.Generator, py_random=None) -> None:  # as albumentations' Compose
+        self._rng = rng
+
+    def axes(self) -> list[int]:
+        if not self.enabled:
+            return []
+        rng = self._rng if self._rng is not None else np.random.default_rng()
+        return [axis for axis, draw in enumerate(rng.random(3)) if draw < 0.5]
+
+
 class VolumeDataset(MedicalImageDataset):
     """Whole volumes (``data.sample: volume``): each resampled to ``spacing`` mm (trilinear, :func:`resample`),
     cropped / padded about its centre to ``size`` voxels, values through :func:`intensities`; items are
     ``(tensor (1, I, J, K), label)`` in the volume's array axes (MONAI's channel-first layout). Bad volumes are
     skipped as images are (:meth:`first_good`). ``size`` None keeps each volume's resampled size (batches of
-    one, or patches).
+    one, or patches). The one augmentation is ``flip`` (``transform`` is a :class:`KeyedFlips`), seeded per sample
+    with the patch draw by :class:`~vitlab.data.sampling.KeyedAugmentation` from (seed, epoch, index) in the
+    training loader, so neither depends on the loader workers.
 
     With ``num_mask_classes`` (segmentation) items are ``(tensor, {"mask": (I, J, K) int64})``: the label map
     resampled with nearest neighbours onto the same grid and padded with background.
@@ -322,15 +343,15 @@ class VolumeDataset(MedicalImageDataset):
         num_mask_classes: Foreground classes of the label maps (segmentation); None: items carry the volume's label.
         patch_size: Voxels along i, j, k of a random training patch; None: the whole (cropped / padded) volume.
         patch_foreground: Probability that a patch is centred on a foreground voxel (segmentation).
+        flip: Flip each item (volume and label map) along each of i, j, k with probability 0.5 (``data.volume_flip``,
+            training only).
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], options: VolumeOptions,
                  read_options: ReadOptions, spacing: Sequence[float] | None, size: Sequence[int] | None, *,
                  on_bad_file: str = "skip", bad_paths: set[str] | None = None, num_mask_classes: int | None = None,
-                 patch_size: Sequence[int] | None = None, patch_foreground: float = 0.5) -> None:
-        import albumentations as A
-
-        super().__init__(samples, class_names, A.Compose([]), read_options=read_options, on_bad_file=on_bad_file,
+                 patch_size: Sequence[int] | None = None, patch_foreground: float = 0.5, flip: bool = False) -> None:
+        super().__init__(samples, class_names, KeyedFlips(flip), read_options=read_options, on_bad_file=on_bad_file,
                          bad_paths=bad_paths)
         self.options, self.spacing = options, spacing
         self.size = None if size is None else tuple(int(n) for n in size)
@@ -396,8 +417,12 @@ class VolumeDataset(MedicalImageDataset):
 
             patch, mask = self.draw_patch(Volume(values, volume.affine), mask)
             values = patch.array
+        axes = self.transform.axes()  # drawn before the checks: one draw per item, whatever its outcome
         tensor = finite_tensor(self.samples[index].path, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None])
+        if axes:
+            tensor = tensor.flip([a + 1 for a in axes])
         if mask is None:
             return tensor, self.labels[index]  # (1, I, J, K)
         labels = within_classes(self.samples[index], np.rint(mask.array).astype(np.int64), self.num_mask_classes)  # (I, J, K)
-        return tensor, {"mask": torch.from_numpy(labels)}
+        labels = torch.from_numpy(labels)
+        return tensor, {"mask": labels.flip(axes) if axes else labels}
