@@ -105,12 +105,12 @@ def test_classification_of_whole_volumes_with_a_3d_vit(volumes, tmp_path, capsys
     _, tags = run_tags(tmp_path)
     assert {"val/balanced_acc", "drift/rel_frobenius/stage0.block0.q"} <= set(tags)
     assert (tmp_path / "tiny" / "version_0" / "qkv" / "epoch_001.safetensors").is_file()
-    # a 2-D probe given the 3-D checkpoint says so in one line; spectra reads it
+    # a 2-D-only probe given the 3-D checkpoint says so in one line; spectra reads it
     from vitlab.probe_cli import probe_main
 
     ckpt = str(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
     with pytest.raises(SystemExit):
-        probe_main(["attention", "--checkpoint", ckpt, "--out", str(tmp_path / "att")])
+        probe_main(["invert", "--checkpoint", ckpt, "--out", str(tmp_path / "att")])
     err = capsys.readouterr().err.strip().splitlines()
     assert "a 3-D model (input (1, 16, 16, 8)" in err[-1] and "does not take 3-D checkpoints" in err[-1]
     probe_main(["spectra", "--checkpoint", ckpt, "--out", str(tmp_path / "spectra")])
