@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.probes.volume_runs import make_volume_run
 from vitlab import models
+from vitlab.analysis.probing import dice_counts, dice_from_counts
 from vitlab.probes import ablate, build_parser, common, main
 from vitlab.probes.invert import Variant
 
@@ -115,7 +116,7 @@ def test_ablating_nothing_is_bit_identical_on_a_3d_segmenter(tmp_path):
 def test_dice_counts_pool_voxels_over_volumes_with_nan_for_an_absent_class():
     pred = torch.tensor([[0, 1, 1, 2], [0, 0, 1, 0]])
     truth = torch.tensor([[0, 1, 0, 0], [1, 0, 1, 0]])
-    scores = ablate.dice_from_counts(ablate.dice_counts(pred[:1], truth[:1], 3) + ablate.dice_counts(pred[1:], truth[1:], 3))
+    scores = dice_from_counts(dice_counts(pred[:1], truth[:1], 3) + dice_counts(pred[1:], truth[1:], 3))
     assert scores[0].item() == pytest.approx(2 * 2 / (3 + 3)) and scores[1].item() == 0.0 and math.isnan(scores[2].item())
 
 

@@ -3,6 +3,7 @@
 Seed 001 (DINO, Table 10) judges a representation by how well a k-NN classifier and a linear classifier
 on frozen features do; applied per block, it shows at which depth the classes become separable and how
 fine-tuning moved that depth. Both use scikit-learn; features are float tensors (N, D), labels int (N,).
+A segmenter is judged by the Dice of each class, pooled over volumes (:func:`dice_counts`, :func:`dice_from_counts`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ProbeScore", "balanced_accuracy", "knn_probe", "linear_probe"]
+__all__ = ["ProbeScore", "balanced_accuracy", "dice_counts", "dice_from_counts", "knn_probe", "linear_probe"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +152,21 @@ def weighted_knn(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tenso
     votes = torch.zeros(test.shape[0], classes, dtype=torch.float64)
     votes.scatter_add_(1, labels[idx], (sim / temperature).exp())
     return _score(votes.argmax(dim=1), test_y)
+
+
+def dice_counts(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(3, K) float64 voxel counts of classes 1..K: predicted and true (intersection), predicted, true; ``pred`` and
+    ``truth`` are label maps of one shape (values 0 = background .. K)."""
+    counts = torch.zeros(3, num_classes, dtype=torch.float64)
+    for c in range(1, num_classes + 1):
+        p, t = pred == c, truth == c
+        counts[:, c - 1] = torch.stack([(p & t).sum(), p.sum(), t.sum()]).double()
+    return counts
+
+
+def dice_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """(K,) Dice 2|P∩T| / (|P| + |T|) per class from :func:`dice_counts` summed over volumes (training's torchmetrics
+    ``DiceScore``, ``aggregation_level="global"``); NaN for a class neither predicted nor present."""
+    inter, pred, true = counts
+    total = pred + true
+    return torch.where(total > 0, 2 * inter / total.clamp(min=1), torch.full_like(total, float("nan")))

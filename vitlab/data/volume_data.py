@@ -359,6 +359,7 @@ class VolumeDataset(MedicalImageDataset):
         self.patch_size = None if patch_size is None else tuple(int(n) for n in patch_size)
         self.patch_foreground = float(patch_foreground)
         self.rng = np.random.default_rng(0)  # reseeded per item by KeyedAugmentation
+        self.last_spacing: tuple[float, ...] | None = None
 
     def set_random_state(self, rng: np.random.Generator, py_rng) -> None:
         super().set_random_state(rng, py_rng)
@@ -400,6 +401,7 @@ class VolumeDataset(MedicalImageDataset):
         if self.spacing is not None:
             volume = resample(volume, self.spacing, mode="linear")
             mask = None if mask is None else resample(mask, self.spacing, mode="nearest", fill=0.0)
+        self.last_spacing = volume.spacing  # voxel size in mm of the volume loaded last (crop / pad keep it)
         fill = float(volume.array.min())  # outside the field of view: the volume's lowest value (air in CT)
         if self.size is not None:
             volume, mask = crop_or_pad(volume, self.size, fill=fill), None if mask is None else crop_or_pad(mask, self.size, fill=0.0)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from vitlab import models
+from vitlab.analysis.probing import dice_counts, dice_from_counts
 from vitlab.probes.common import ImageStream, ProbeContext, add_common_arguments, image_stream, progress
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
 from vitlab.outputs.files import write_csv
@@ -124,24 +125,6 @@ def accuracy(ctx: ProbeContext, variants: list[Variant], batch_size: int | None 
     listed = ", ".join(f"{row['variant']} {row['accuracy']:.1%}" for row in rows)
     print(f"accuracy: {listed} (on {rows[0]['images']} {'volumes' if stream.volumetric else 'images'})")
     return rows
-
-
-def dice_counts(pred: torch.Tensor, truth: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """(3, K) float64 voxel counts of classes 1..K: predicted and true (intersection), predicted, true; ``pred`` and
-    ``truth`` are label maps of one shape (values 0 = background .. K)."""
-    counts = torch.zeros(3, num_classes, dtype=torch.float64)
-    for c in range(1, num_classes + 1):
-        p, t = pred == c, truth == c
-        counts[:, c - 1] = torch.stack([(p & t).sum(), p.sum(), t.sum()]).double()
-    return counts
-
-
-def dice_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    """(K,) Dice 2|P∩T| / (|P| + |T|) per class from :func:`dice_counts` summed over volumes (training's torchmetrics
-    ``DiceScore``, ``aggregation_level="global"``); NaN for a class neither predicted nor present."""
-    inter, pred, true = counts
-    total = pred + true
-    return torch.where(total > 0, 2 * inter / total.clamp(min=1), torch.full_like(total, float("nan")))
 
 
 @torch.no_grad()

@@ -426,7 +426,7 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
             masks.clear()
             masks[i], label = label["mask"], dataset.labels[i]
         if first is not None:
-            own = tuple(float(v) for v in dataset.load_volume(i)[0].spacing) if i else first
+            own = tuple(float(v) for v in dataset.last_spacing)  # of the volume just read (not read again)
             if max(abs(a - b) / b for a, b in zip(own, first)) > 0.01:
                 mm = lambda size: " x ".join(f"{v:.4g}" for v in size)  # noqa: E731
                 raise ValueError(f"{samples[i].key}: voxel size {mm(own)} mm differs from {mm(first)} mm of {samples[0].key}; distances in "
