@@ -1,6 +1,6 @@
-"""The detection and segmentation quickstarts end to end: wall time, CPU time, where it goes, final metrics.
+"""The detection, segmentation and volume quickstarts end to end: wall time, CPU time, where it goes, final metrics.
 
-    python benchmarks/bench_dense_quickstart.py [--task detection segmentation] [--fresh-cache]
+    python benchmarks/bench_dense_quickstart.py [--task detection segmentation volume] [--seeds 0 1 2] [--fresh-cache]
 
 Each quickstart runs as ``python train.py --config configs/quickstart_<task>.yaml`` in its own process,
 one after the other. The machine is shared, so wall time is an upper bound; the CPU time of the run (the
@@ -15,7 +15,9 @@ RoIs, one RoIAlign sample per bin) against ``heads: light``'s defaults: CPU time
 batches, interleaved.
 
 Goals (issue 9): each quickstart <= 5 min on 2 quiet cores; val box mAP@0.5 >= 0.5 (detection), val lesion
-Dice >= 0.6 (segmentation).
+Dice >= 0.6 (segmentation). Issue 24: ``configs/quickstart_volume.yaml`` (task ``volume``, 3-D lesion segmentation
+with a tiny SwinUNETR) <= 5 min on 2 cores with val lesion Dice >= 0.5 on each of 3 seeds: ``--task volume --seeds
+0 1 2`` runs it once per seed (``--seed_everything``; the patient split stays ``data.seed``'s).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time
-from vitlab.runtime import set_openmp_env
+from vitlab.runtime import prepare_process
 
-set_openmp_env()  # (first, as train.py does: before torch)
+prepare_process()  # (first, as train.py does: before torch)
 import pytorch_lightning as pl
 
 cpu = {"train steps": 0.0, "validation": 0.0, "Q/K/V callbacks": 0.0}
@@ -85,17 +87,18 @@ cpu["total"] = time.process_time()  # the training process since it started, imp
 print("RESULT " + json.dumps(cpu))
 """
 
-METRICS = {"detection": ("val/map_50", "val/mask_map_50", "val/map"), "segmentation": ("val/dice_lesion", "val/iou_lesion")}
-GOALS = {"detection": ("val/map_50", 0.5), "segmentation": ("val/dice_lesion", 0.6)}
+METRICS = {"detection": ("val/map_50", "val/mask_map_50", "val/map"), "segmentation": ("val/dice_lesion", "val/iou_lesion"),
+           "volume": ("val/dice_lesion", "val/iou_lesion")}
+GOALS = {"detection": ("val/map_50", 0.5), "segmentation": ("val/dice_lesion", 0.6), "volume": ("val/dice_lesion", 0.5)}
 
 
-def run(task: str, save_dir: str, cache: str | None) -> tuple[dict, float, float]:
+def run(task: str, save_dir: str, cache: str | None, seed: int | None = None) -> tuple[dict, float, float]:
     """One quickstart in a fresh process: its RESULT, wall seconds and CPU seconds (with its workers)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if cache:
         env["VITLAB_CACHE"] = cache
     args = ["--config", f"configs/quickstart_{task}.yaml", "--trainer.logger.init_args.save_dir", save_dir,
-            "--trainer.enable_progress_bar", "false"]
+            "--trainer.enable_progress_bar", "false", *([] if seed is None else ["--seed_everything", str(seed)])]
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -161,21 +164,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", nargs="+", choices=sorted(METRICS), default=sorted(METRICS))
     parser.add_argument("--fresh-cache", action="store_true", help="generate the embedded set anew (a new user's first run)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="run each quickstart once per seed (default: its config's)")
     opts = parser.parse_args()
     print(f"machine: {len(os.sched_getaffinity(0))} usable cores, load average {os.getloadavg()[0]:.1f} "
           "(shared: wall time is an upper bound, CPU time is not inflated by other jobs)")
     with tempfile.TemporaryDirectory(prefix="vitlab-bench-dense-") as tmp:
         if "detection" in opts.task:
             head_step_ratio()
-        for task in opts.task:
-            cache = str(Path(tmp) / f"cache-{task}") if opts.fresh_cache else None
-            result, wall, cpu = run(task, str(Path(tmp) / "runs"), cache)
+        for task, seed in [(t, s) for t in opts.task for s in (opts.seeds or [None])]:
+            cache = str(Path(tmp) / f"cache-{task}-{seed}") if opts.fresh_cache else None
+            result, wall, cpu = run(task, str(Path(tmp) / "runs"), cache, seed)
             main_cpu = result["total"]
             phases = {k: result[k] for k in ("train steps", "validation", "Q/K/V callbacks")}
             phases["rest of the training process"] = main_cpu - sum(phases.values())
             phases["data workers (and other children)"] = cpu - main_cpu
             quiet = max(cpu / 2, main_cpu)
-            print(f"\nquickstart_{task}: {wall:6.1f} s wall, {cpu:6.1f} CPU-s -> about {quiet:5.1f} s on 2 quiet cores"
+            print(f"\nquickstart_{task}{'' if seed is None else f' seed {seed}'}: {wall:6.1f} s wall, {cpu:6.1f} CPU-s -> about {quiet:5.1f} s on 2 quiet cores"
                   f" ({result['steps']} optimizer steps; load average now {os.getloadavg()[0]:.1f})")
             for name, seconds in phases.items():
                 print(f"  {name:34s} {seconds:6.1f} CPU-s  {100 * seconds / cpu:5.1f} %")

@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from vitlab.runtime import set_openmp_env
+from vitlab.runtime import prepare_process
 
-set_openmp_env()  # (first: its OpenMP spin policy must precede torch's thread pool)
+prepare_process()  # (first: its OpenMP spin policy must precede torch's thread pool)
 import pytorch_lightning as pl
 import torch
 import yaml

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BARE = r"""
 import json, sys, time
 if sys.argv[3] == "vitlab":
-    from vitlab.runtime import set_openmp_env  # (first: vitlab's OpenMP spin policy, as train.py sets it)
-    set_openmp_env()
+    from vitlab.runtime import prepare_process  # (first: vitlab's OpenMP spin policy, as train.py sets it)
+    prepare_process()
 import torch  # else torch's own OpenMP settings
 torch.set_num_threads(int(sys.argv[2]))
 import yaml
@@ -71,8 +71,8 @@ print("RESULT " + json.dumps({**out, "threads": torch.get_num_threads(), "openmp
 
 QUICKSTART = r"""
 import collections, functools, json, sys, time
-from vitlab.runtime import set_openmp_env
-set_openmp_env()  # (first, as train.py does: its OpenMP spin policy precedes torch)
+from vitlab.runtime import prepare_process
+prepare_process()  # (first, as train.py does: its OpenMP spin policy precedes torch)
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loops import evaluation_loop, fetchers, fit_loop

@@ -34,17 +34,21 @@ import math
 import tempfile
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from _timing import best_of  # benchmarks/_timing.py
-from torch.utils.tensorboard import SummaryWriter
+from vitlab.runtime import prepare_process
 
-from vitlab.models import build_model, parameter_groups
-from vitlab.outputs.files import save_safetensors
-from vitlab.qkv.drift import report_drift
-from vitlab.qkv.spectra import block_spectra, report_spectra
-from vitlab.qkv.state import head_counts, qkv_state, snapshot_name
-from vitlab.training.segmentation import soft_dice_loss
+prepare_process()  # (first, as train.py does: OpenMP's spin policy before torch; freed memory reused)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _timing import best_of  # noqa: E402  (benchmarks/_timing.py)
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+
+from vitlab.models import build_model, parameter_groups  # noqa: E402
+from vitlab.outputs.files import save_safetensors  # noqa: E402
+from vitlab.qkv.drift import report_drift  # noqa: E402
+from vitlab.qkv.spectra import block_spectra, report_spectra  # noqa: E402
+from vitlab.qkv.state import head_counts, qkv_state, snapshot_name  # noqa: E402
+from vitlab.training.segmentation import soft_dice_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CLOCK = "cpu"  # set by --clock

@@ -68,15 +68,51 @@ def test_the_entry_points_bound_openmp_spinning_and_importing_vitlab_does_not():
 
 
 @pytest.mark.parametrize("env, expected", [({}, "10000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, None), ({"GOMP_SPINCOUNT": "500"}, "500")])
-def test_set_openmp_env_keeps_a_policy_the_user_set(env, expected, monkeypatch):
-    from vitlab.runtime import set_openmp_env
+def test_prepare_process_keeps_a_policy_the_user_set(env, expected, monkeypatch):
+    from vitlab.runtime import prepare_process
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    set_openmp_env()
+    prepare_process()
     assert os.environ.get("GOMP_SPINCOUNT") == expected
+
+
+_FAULTS = """
+import resource, sys
+from vitlab.runtime import keep_freed_memory
+print(keep_freed_memory() if sys.argv[1] == "kept" else "system")
+import torch
+for step in range(24):
+    if step == 16:  # glibc's heap has grown to hold the freed blocks: count the last 8 allocations' faults
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(64 << 18)  # 64 MB, freed at once: a step's attention tensor
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_tensor_memory_is_reused_instead_of_faulted_in_again():
+    """Page faults of allocating and freeing a 64 MB tensor: glibc's default maps and unmaps it each time (the
+    kernel faults its 16384 pages in again); with :func:`keep_freed_memory` the heap keeps them for the next."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "VITLAB_MALLOC"))}
+    faults = {}
+    for mode in ("kept", "system"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], env={**clean, "PYTHONPATH": str(ROOT)},
+                             capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+        assert out[0] == ("True" if mode == "kept" else "system")
+        faults[mode] = int(out[1])
+    assert faults["kept"] * 8 < faults["system"], faults
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"VITLAB_MALLOC": "system"}])
+def test_keep_freed_memory_leaves_glibc_as_the_user_set_it(env, monkeypatch):
+    from vitlab.runtime import keep_freed_memory
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert keep_freed_memory() is False
 
 
 class _CV2Threads(torch.utils.data.Dataset):

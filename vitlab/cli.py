@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from vitlab.runtime import Runtime, available_cores, frozen_heap, set_openmp_env
+from vitlab.runtime import Runtime, available_cores, frozen_heap, prepare_process
 
-set_openmp_env()  # before torch is imported (by Lightning, below)
+prepare_process()  # before torch is imported (by Lightning, below)
 
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402

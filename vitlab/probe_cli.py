@@ -25,9 +25,9 @@ def _is_user_error(err: BaseException) -> bool:
 
 def probe_main(args: list[str] | None = None) -> None:
     """Entry point of ``probe.py``."""
-    from vitlab.runtime import set_openmp_env
+    from vitlab.runtime import prepare_process
 
-    set_openmp_env()  # before torch is imported
+    prepare_process()  # before torch is imported
     from vitlab import cli_support
     from vitlab.probes import main
 
