@@ -134,6 +134,25 @@ def test_segmentation_metric_path_perfect_and_empty():
     assert loss_perfect < 0.01 < module._loss(-perfect, mask)
 
 
+def test_segmentation_class_weights_weight_each_pixels_cross_entropy_by_its_class():
+    """The loss with ``class_weights`` = the weighted mean of per-pixel -log softmax (written out) + the soft Dice."""
+    from vitlab.training.segmentation import soft_dice_loss
+
+    torch.manual_seed(0)
+    logits, mask = torch.randn(2, 3, 8, 8, 4), torch.randint(0, 3, (2, 8, 8, 4))  # 2 foreground classes, volumes
+    weights = torch.rand(3) * 4 + 0.1
+    module = SegmentationModule(num_classes=2, image_size=32, class_weights=weights.tolist(), dice_weight=0.7, **SWIN)
+    nll = -logits.log_softmax(dim=1).gather(1, mask[:, None])[:, 0]  # (2, 8, 8, 4)
+    w = weights[mask]
+    expected = (w * nll).sum() / w.sum() + 0.7 * soft_dice_loss(logits, mask)
+    assert module._loss(logits, mask).item() == pytest.approx(expected.item(), rel=1e-5)
+    plain = SegmentationModule(num_classes=2, image_size=32, **SWIN)
+    assert plain._loss(logits, mask).item() == pytest.approx((nll.mean() + soft_dice_loss(logits, mask)).item(), rel=1e-5)
+    for bad in ([1.0, 2.0], [1.0, 0.0, 2.0]):
+        with pytest.raises(ValueError, match=r"model.class_weights must be 3 positive numbers \(background, then 2 "):
+            SegmentationModule(num_classes=2, image_size=32, class_weights=bad, **SWIN)
+
+
 def test_segmentation_refuses_rows_with_boxes_but_no_mask(tmp_path):
     import pytorch_lightning as pl
 

@@ -42,6 +42,10 @@ class SegmentationModule(TaskModule):
         image_size: Input side (linked from the data).
         decoder_channels: Width of the pyramid and the fusion head.
         dice_weight: Weight of the soft Dice loss added to cross-entropy.
+        class_weights: Weight of each class in the cross-entropy term, background first (K + 1 numbers; the ``weight``
+            of MONAI's ``DiceCELoss`` / torch's ``cross_entropy``: a weighted mean over pixels); None: all 1. A
+            foreground weight above 1 moves the decision towards small, rare structures the unweighted mean would
+            leave to the background.
         grid_images: Images in the validation figure (0 disables it).
         class_names: Foreground class names (linked from ``data.mask_classes``).
         sliding_window: Window (voxels along i, j, k) of MONAI's ``sliding_window_inference`` for validation and test
@@ -57,6 +61,7 @@ class SegmentationModule(TaskModule):
         image_size: int = 224,
         decoder_channels: int = 64,
         dice_weight: float = 1.0,
+        class_weights: list[float] | None = None,
         grid_images: int = 4,
         class_names: list[str] | None = None,
         sliding_window: list[int] | None = None,
@@ -68,6 +73,9 @@ class SegmentationModule(TaskModule):
             raise ValueError(f"model.sliding_window must be 3 positive voxel counts (i, j, k) or null, got {sliding_window!r}")
         if not 0.0 <= sliding_overlap < 1.0:
             raise ValueError(f"model.sliding_overlap must be in [0, 1), got {sliding_overlap}")
+        if class_weights is not None and (len(class_weights) != num_classes + 1 or min(class_weights) <= 0):
+            raise ValueError(f"model.class_weights must be {num_classes + 1} positive numbers (background, then "
+                             f"{num_classes} foreground class(es)), got {class_weights!r}")
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
         backbone = self.backbone_args
@@ -105,7 +113,9 @@ class SegmentationModule(TaskModule):
         return segment_logits(self.model, images, self.hparams.sliding_window, self.hparams.sliding_overlap)
 
     def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), mask) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
+        weights = self.hparams.class_weights
+        weight = None if weights is None else torch.tensor(weights, dtype=torch.float32, device=logits.device)
+        return F.cross_entropy(logits.float(), mask, weight=weight) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, targets = batch
