@@ -4,11 +4,12 @@
 
 Each quickstart runs as ``python train.py --config configs/quickstart_<task>.yaml`` in its own process,
 one after the other. The machine is shared, so wall time is an upper bound; the CPU time of the run (the
-training process, its threads and its data workers) does not grow with other jobs. On 2 quiet cores the
-training process runs one torch thread beside one loader worker, so the quiet wall time is about the larger of
-CPU-s / 2 and the training process's own CPU time (its one thread is the critical path). The training process's CPU time is split by Lightning hook: training steps (forward, backward,
-optimizer), the validation loop (forward + COCO mAP / Dice), the Q/K/V callbacks, and the rest (start-up,
-data set-up and the embedded set's generation with ``--fresh-cache``, checkpoints, logging).
+training process, its threads and its data workers) does not grow with other jobs. On 2 quiet cores the run
+keeps both busy (``runtime: auto``: two torch threads and no loader worker), so the quiet wall time is about the
+larger of CPU-s / 2 and the training process's CPU time over its torch threads. The training process's CPU time
+is split by Lightning hook: training steps (forward, backward, optimizer), the validation loop (forward + COCO
+mAP / Dice), the Q/K/V callbacks, and the rest (start-up, data set-up and the embedded set's generation with
+``--fresh-cache``, checkpoints, logging).
 
 Before the runs, the detection quickstart's training step with its ``head_kwargs`` (fewer RPN boxes and
 RoIs, one RoIAlign sample per bin) against ``heads: light``'s defaults: CPU time per step on the same real
@@ -84,6 +85,8 @@ except SystemExit as exc:
     if exc.code:
         raise
 cpu["total"] = time.process_time()  # the training process since it started, imports included
+import torch
+cpu["threads"] = torch.get_num_threads()
 print("RESULT " + json.dumps(cpu))
 """
 
@@ -178,7 +181,7 @@ def main() -> None:
             phases = {k: result[k] for k in ("train steps", "validation", "Q/K/V callbacks")}
             phases["rest of the training process"] = main_cpu - sum(phases.values())
             phases["data workers (and other children)"] = cpu - main_cpu
-            quiet = max(cpu / 2, main_cpu)
+            quiet = max(cpu / 2, main_cpu / result["threads"])
             print(f"\nquickstart_{task}{'' if seed is None else f' seed {seed}'}: {wall:6.1f} s wall, {cpu:6.1f} CPU-s -> about {quiet:5.1f} s on 2 quiet cores"
                   f" ({result['steps']} optimizer steps; load average now {os.getloadavg()[0]:.1f})")
             for name, seconds in phases.items():

@@ -23,8 +23,15 @@ with other work, and what the figure worker takes from training on a small CPU m
 Validation, data loading and checkpoints are left out of both epochs, and the callbacks are counted every epoch
 (the full-scale config snapshots every 10th): the shares printed are upper bounds.
 
+``--fit-epochs N`` adds (c), the quickstart itself: ``train.py --config configs/quickstart_volume.yaml`` for N epochs
+with ``runtime.figures off`` and ``auto`` (the figure worker), alternated ``--fit-repeats`` times; each epoch's wall
+time is read from the event file (the ``epoch`` scalar's first timestamp per epoch, so it includes validation,
+data loading, the callbacks and checkpoints), the fastest of the repeats per epoch. On 2 cores the figure worker
+draws while the training process loads data and validates on one thread, so this is what the figures cost a user
+in wall time, where (a) assumes every CPU second of drawing is taken from training.
+
     python benchmarks/bench_volume_callbacks.py [--repeats 3] [--full-repeats 1] [--full-volumes 24] [--full-epochs 300] [--no-full]
-                                                   [--clock cpu|wall]
+                                                   [--clock cpu|wall] [--fit-epochs 5] [--fit-repeats 2]
 """
 
 from __future__ import annotations
@@ -161,6 +168,51 @@ def report(label: str, costs: dict[str, float], epoch_s: float, goal: float, max
               f"(goal <= {goal:g} %)")
 
 
+def epoch_seconds(run_dir: Path) -> list[float]:
+    """Wall seconds of each epoch but the last, from the first timestamp of each value of the ``epoch`` scalar."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    first: dict[int, float] = {}
+    for event in acc.Scalars("epoch"):
+        first.setdefault(int(event.value), event.wall_time)
+    epochs = sorted(first)
+    return [first[b] - first[a] for a, b in zip(epochs, epochs[1:])]
+
+
+def fit_epochs(config: Path, epochs: int, repeats: int) -> None:
+    """(c): the quickstart's epochs with and without the figure worker (see the module docstring)."""
+    import os
+    import subprocess
+    import sys
+
+    from vitlab.outputs.tensorboard import figures_due
+
+    best: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for figures in ("off", "auto"):
+                name = f"{figures}_{r}"
+                subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(config), "--trainer.max_epochs", str(epochs),
+                                "--trainer.logger.init_args.save_dir", tmp, "--trainer.logger.init_args.name", name,
+                                "--trainer.enable_progress_bar", "false", "--runtime.figures", figures],
+                               cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True)
+                seconds = epoch_seconds(Path(tmp) / name / "version_0")
+                best[figures] = [min(a, b) for a, b in zip(best[figures], seconds)] if figures in best else seconds
+    from types import SimpleNamespace
+
+    due = [figures_due(SimpleNamespace(max_epochs=epochs), e, None) for e in range(1, epochs + 1)]
+    print(f"\n(c) the quickstart run itself, {epochs} epochs, figures off vs auto (wall s per epoch, fastest of {repeats}):")
+    print("  epoch  " + " ".join(f"{e:>6d}" for e in range(1, len(best['off']) + 1)))
+    for figures in ("off", "auto"):
+        print(f"  {figures:5s}  " + " ".join(f"{t:6.2f}" for t in best[figures]))
+    print("  figures drawn after epochs " + ", ".join(str(e) for e, d in enumerate(due, 1) if d))
+    off, auto = sum(best["off"]), sum(best["auto"])
+    worst = max((a - o) / o for o, a in zip(best["off"], best["auto"]))
+    print(f"  figures' cost: {100 * (auto - off) / off:+.1f} % of the run's epochs, at most {100 * worst:+.1f} % of one epoch")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the tiny step and of each callback")
@@ -168,6 +220,8 @@ def main() -> None:
     parser.add_argument("--full-volumes", type=int, default=24, help="full-scale training volumes per epoch")
     parser.add_argument("--full-epochs", type=int, default=300, help="full-scale epochs (medical_swinunetr.yaml)")
     parser.add_argument("--no-full", action="store_true", help="skip (b), the full-scale model")
+    parser.add_argument("--fit-epochs", type=int, default=0, help="(c): epochs of the real quickstart run (0: skip)")
+    parser.add_argument("--fit-repeats", type=int, default=2, help="(c): runs with and without figures, alternated")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart_volume.yaml",
                         help="the quickstart config of (a)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
@@ -194,6 +248,8 @@ def main() -> None:
     print(f"  epoch = {steps} steps ({train} training volumes / batch {batch}) x {step_s:.3f} s = {epoch_s:.2f} s  (estimated)")
     report("(a) quickstart", costs, epoch_s, 5, max_epochs)
     del model, optimizer
+    if args.fit_epochs:
+        fit_epochs(args.config, args.fit_epochs, args.fit_repeats)
 
     if args.no_full:
         return

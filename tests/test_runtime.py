@@ -92,6 +92,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_tensor_memory_is_reused_instead_of_faulted_in_again():
     """Page faults of allocating and freeing a 64 MB tensor: glibc's default maps and unmaps it each time (the

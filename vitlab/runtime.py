@@ -73,10 +73,10 @@ def keep_freed_memory() -> bool:
 
     glibc serves a block larger than its mmap threshold (adjusted up to 32 MB at most) with a fresh ``mmap`` and
     unmaps it when freed, so the kernel page-faults and zeroes that memory again at its next use. A training step
-    of a 3-D Swin allocates attention tensors of tens of MB: the quickstart_volume step spent 40 % of its CPU time
-    in the kernel, and takes 0.57x the time with this setting (``benchmarks/bench_allocator.py``). Blocks up to
+    of a SwinUNETR with MONAI's 7^3 windows allocates attention tensors of tens of MB: 37 % of its CPU time went to
+    the kernel, and it takes 0.56x the time with this setting (``benchmarks/bench_allocator.py``). Blocks up to
     256 MB now come from the heap and up to 512 MB of freed heap stay mapped for reuse; the resident size grows by
-    what is kept. Linux with glibc only; a ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` the user set,
+    what is kept (1.24x there). Linux with glibc only; a ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` the user set,
     or ``VITLAB_MALLOC=system``, leaves glibc as it is. Returns whether the thresholds were set."""
     if not sys.platform.startswith("linux") or os.environ.get("VITLAB_MALLOC", "") == "system":
         return False
@@ -320,6 +320,8 @@ class FigureWorker:
             self.resume()
             with contextlib.suppress(OSError):
                 self._proc.kill()
+            with contextlib.suppress(Exception):
+                self._proc.wait(timeout=10)  # reaped: no zombie, and its CPU time counts in the parent's rusage
             self._jobs.put(None)
 
     def _raise_error(self) -> None:
