@@ -361,3 +361,49 @@ def test_volume_flips_are_keyed_by_seed_epoch_and_index():
         assert torch.equal(val_plain[index][0], val_flipped[index][0])
     with pytest.raises(ValueError, match="volume_flip"):
         DenseDataModule(**{**kwargs, "sample": "slice", "volume_size": None}, volume_flip=True)
+
+
+def test_volume_intensity_jitter_is_keyed_and_follows_its_formula():
+    """data.volume_intensity: each training item is the plain item * (1 + u) + v, u and v recomputed here from the
+    keyed generator's draws (after the 3 flip draws), the same for the same (seed, epoch, index), with about the
+    configured share of items scaled / shifted; validation volumes untouched; bad keys or values in one line."""
+    import numpy as np
+
+    from vitlab.data.datamodule import DenseDataModule
+    from vitlab.data.sampling import KeyedAugmentation, mixed_seed
+
+    jitter = {"scale": 0.3, "scale_prob": 0.5, "shift": 0.2, "shift_prob": 0.75}
+    kwargs = dict(root=None, embedded_kwargs={"patients": 4, "size": 32, "slices": 8}, sample="volume",
+                  volume_size=[32, 32, 8], mask_classes=["lesion"], window="soft_tissue", num_workers=0, batch_size=2)
+    plain, jittered = DenseDataModule(**kwargs), DenseDataModule(**kwargs, volume_flip=True, volume_intensity=jitter)
+    plain.setup("fit")
+    jittered.setup("fit")
+    base = plain.dataset("train", augmented=True)
+    keyed = KeyedAugmentation(jittered.dataset("train", augmented=True), seed=3)
+    again = KeyedAugmentation(jittered.dataset("train", augmented=True), seed=3)
+    scaled = shifted = 0
+    for epoch in range(6):
+        for index in range(len(base)):
+            image, target = base[index]
+            out, out_target = keyed[(index, epoch)]
+            assert torch.equal(out, again[(index, epoch)][0])
+            draws = np.random.default_rng(mixed_seed(3, epoch, index)).random(7)  # flips (3), then scale?, u, shift?, v
+            axes = [a for a in range(3) if draws[a] < 0.5]
+            factor = 1 + (2 * draws[4] - 1) * 0.3 if draws[3] < 0.5 else 1.0
+            offset = (2 * draws[6] - 1) * 0.2 if draws[5] < 0.75 else 0.0
+            expected = image * factor + offset
+            torch.testing.assert_close(out, expected.flip([a + 1 for a in axes]) if axes else expected)
+            assert torch.equal(out_target["mask"], target["mask"].flip(axes) if axes else target["mask"])
+            scaled, shifted = scaled + (factor != 1.0), shifted + (offset != 0.0)
+    n = 6 * len(base)
+    assert 0.2 < scaled / n < 0.8 and shifted / n > 0.5
+    for index in range(len(plain.dataset("val"))):
+        assert torch.equal(plain.dataset("val")[index][0], jittered.dataset("val")[index][0])
+    for bad, message in (({"scale": 0.1, "gamma": 1.0}, r"takes scale, scale_prob, shift, shift_prob .*\['gamma'\]"),
+                         ({"shift_prob": 1.5}, r"data.volume_intensity.shift_prob must be a number in \[0, 1\], got 1.5"),
+                         ({"scale": -0.1}, r"data.volume_intensity.scale must be a number >= 0, got -0.1")):
+        with pytest.raises(ValueError, match=message):
+            DenseDataModule(**kwargs, volume_intensity=bad)
+    with pytest.raises(ValueError, match="volume_intensity jitters whole volumes"):
+        DenseDataModule(**{**kwargs, "sample": "slice", "volume_size": None}, volume_intensity=jitter)
+    assert np.isfinite(float(out.sum()))

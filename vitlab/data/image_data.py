@@ -21,7 +21,8 @@ from vitlab.data.io import ImageReader, ReadOptions
 from vitlab.data.layouts import SPLITS, UNLABELLED, Layout, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.sampling import EpochSampler, KeyedAugmentation
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
-from vitlab.data.volume_data import MASK_CLASSES, VolumeDataset, VolumeOptions, VolumeStore, check_volumes, scan_volumes
+from vitlab.data.volume_data import (MASK_CLASSES, VolumeDataset, VolumeOptions, VolumeStore, check_volumes, intensity_jitter,
+                                     scan_volumes)
 
 
 def _check_patches(sample: str, patch_size, patch_foreground, volume_size) -> None:
@@ -120,6 +121,11 @@ class ImageData:
         volume_flip: ``sample: volume``: training volumes or patches (and their label maps) flipped along each of i,
             j, k with probability 0.5, drawn from (seed, epoch, index) as the 2-D augmentations are (whatever the loader
             workers); validation and test volumes are never flipped.
+        volume_intensity: ``sample: volume``: random intensity scale and shift of training volumes or patches, e.g.
+            ``{scale: 0.1, scale_prob: 0.1, shift: 0.1, shift_prob: 0.5}`` (MONAI's BTCV recipe:
+            ``RandScaleIntensityd`` / ``RandShiftIntensityd``): with probability ``scale_prob`` the windowed values are
+            multiplied by 1 + u, u uniform in [-scale, scale], and with ``shift_prob`` shifted by v in [-shift, shift];
+            keyed by (seed, epoch, index) as the flips. None: no change.
         unlabelled_root: More images without labels that join the training split only (a folder, any nesting, or
             a manifest's ``path`` column; with a ``split`` column only its train rows), for ``task: dino`` on many unlabelled scans while the labelled ``root``
             scores the k-NN (its train split is the memory bank, its val split the queries). Warns when some of them
@@ -164,6 +170,7 @@ class ImageData:
         patch_size: list[int] | None = None,
         patch_foreground: float = 0.5,
         volume_flip: bool = False,
+        volume_intensity: dict[str, float] | None = None,
     ) -> None:
         embedded = embedded_options(embedded_kwargs)
         embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
@@ -211,7 +218,10 @@ class ImageData:
                              "set data.sample to slice, slab or volume")
         if volume_flip and sample != "volume":
             raise ValueError("data.volume_flip flips whole volumes: set data.sample to volume")
+        if volume_intensity is not None and sample != "volume":
+            raise ValueError("data.volume_intensity jitters whole volumes: set data.sample to volume")
         self.spacing, self.volume_size, self.volume_flip = spacing, volume_size, bool(volume_flip)
+        self.volume_intensity = intensity_jitter(volume_intensity)
         self.patch_size, self.patch_foreground = patch_size, patch_foreground
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
@@ -403,11 +413,12 @@ class ImageData:
 
     def volume_dataset(self, samples: list[Sample], augmented: bool, num_mask_classes: int | None = None) -> VolumeDataset:
         """Whole volumes of ``samples`` (``data.sample: volume``); ``augmented`` (training): random patches when
-        ``data.patch_size`` is set, flips with ``data.volume_flip``."""
+        ``data.patch_size`` is set, flips with ``data.volume_flip``, intensity jitter with ``data.volume_intensity``."""
         return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
                              self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
                              num_mask_classes=num_mask_classes, patch_size=self.patch_size if augmented else None,
-                             patch_foreground=self.patch_foreground, flip=augmented and self.volume_flip)
+                             patch_foreground=self.patch_foreground, flip=augmented and self.volume_flip,
+                             intensity=self.volume_intensity if augmented else None)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,

@@ -293,23 +293,58 @@ def within_classes(sample: Sample, labels: np.ndarray, num_classes: int) -> np.n
     return labels
 
 
-class KeyedFlips:
-    """The transform of a :class:`VolumeDataset`: which of the axes i, j, k an item is flipped along (each with
-    probability 0.5; none when ``enabled`` is false), drawn from the generator
-    :class:`~vitlab.data.sampling.KeyedAugmentation` sets for each sample (unseeded outside it: a fresh draw)."""
+INTENSITY_JITTER_KEYS = ("scale", "scale_prob", "shift", "shift_prob")
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+
+def intensity_jitter(value: dict[str, float] | None) -> dict[str, float] | None:
+    """``data.volume_intensity`` checked: None, or a mapping of ``scale`` / ``shift`` (>= 0, default 0) and
+    ``scale_prob`` / ``shift_prob`` (in [0, 1], default 1); one line naming the key otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - set(INTENSITY_JITTER_KEYS):
+        unknown = sorted(set(value) - set(INTENSITY_JITTER_KEYS)) if isinstance(value, dict) else value
+        raise ValueError(f"data.volume_intensity takes {', '.join(INTENSITY_JITTER_KEYS)} (e.g. {{scale: 0.1, "
+                         f"scale_prob: 0.1, shift: 0.1, shift_prob: 0.5}}), got {unknown!r}")
+    out = {"scale": 0.0, "scale_prob": 1.0, "shift": 0.0, "shift_prob": 1.0}
+    for key, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number >= 0 or (key.endswith("_prob") and number > 1):
+            valid = "in [0, 1]" if key.endswith("_prob") else ">= 0"
+            raise ValueError(f"data.volume_intensity.{key} must be a number {valid}, got {number!r}")
+        out[key] = float(number)
+    return out
+
+
+class KeyedVolumeTransform:
+    """The transform of a :class:`VolumeDataset`, drawn from the generator
+    :class:`~vitlab.data.sampling.KeyedAugmentation` sets for each sample (unseeded outside it: a fresh draw):
+
+    - ``flip``: which of the axes i, j, k an item is flipped along (each with probability 0.5);
+    - ``intensity`` (:func:`intensity_jitter`): with probability ``scale_prob`` the intensities are multiplied by
+      ``1 + u``, u uniform in [-scale, scale] (MONAI's ``RandScaleIntensity``), and with probability ``shift_prob``
+      ``v`` uniform in [-shift, shift] is added (``RandShiftIntensity``), on the windowed values.
+
+    Every item draws the same count of numbers whatever comes out (3 for the flips, 4 for the intensities)."""
+
+    def __init__(self, flip: bool, intensity: dict[str, float] | None = None) -> None:
+        self.flip, self.intensity = flip, intensity_jitter(intensity)
         self._rng: np.random.Generator | None = None
 
     def set_random_state(self, rng: np.random.Generator, py_random=None) -> None:  # as albumentations' Compose
         self._rng = rng
 
-    def axes(self) -> list[int]:
-        if not self.enabled:
-            return []
+    def draw(self) -> tuple[list[int], float, float]:
+        """(axes to flip, factor, offset): values become ``values * factor + offset``."""
         rng = self._rng if self._rng is not None else np.random.default_rng()
-        return [axis for axis, draw in enumerate(rng.random(3)) if draw < 0.5]
+        axes = [axis for axis, draw in enumerate(rng.random(3)) if draw < 0.5] if self.flip else []
+        factor, offset = 1.0, 0.0
+        if self.intensity is not None:
+            scaled, u, shifted, v = rng.random(4)
+            jitter = self.intensity
+            if scaled < jitter["scale_prob"]:
+                factor = 1.0 + (2.0 * u - 1.0) * jitter["scale"]
+            if shifted < jitter["shift_prob"]:
+                offset = (2.0 * v - 1.0) * jitter["shift"]
+        return axes, factor, offset
 
 
 class VolumeDataset(MedicalImageDataset):
@@ -317,7 +352,8 @@ class VolumeDataset(MedicalImageDataset):
     cropped / padded about its centre to ``size`` voxels, values through :func:`intensities`; items are
     ``(tensor (1, I, J, K), label)`` in the volume's array axes (MONAI's channel-first layout). Bad volumes are
     skipped as images are (:meth:`first_good`). ``size`` None keeps each volume's resampled size (batches of
-    one, or patches). The one augmentation is ``flip`` (``transform`` is a :class:`KeyedFlips`), seeded per sample
+    one, or patches). The augmentations are ``flip`` and ``intensity`` (``transform`` is a
+    :class:`KeyedVolumeTransform`), seeded per sample
     with the patch draw by :class:`~vitlab.data.sampling.KeyedAugmentation` from (seed, epoch, index) in the
     training loader, so neither depends on the loader workers.
 
@@ -345,13 +381,16 @@ class VolumeDataset(MedicalImageDataset):
         patch_foreground: Probability that a patch is centred on a foreground voxel (segmentation).
         flip: Flip each item (volume and label map) along each of i, j, k with probability 0.5 (``data.volume_flip``,
             training only).
+        intensity: Random intensity scale / shift of each item (``data.volume_intensity``, training only; see
+            :class:`KeyedVolumeTransform`).
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], options: VolumeOptions,
                  read_options: ReadOptions, spacing: Sequence[float] | None, size: Sequence[int] | None, *,
                  on_bad_file: str = "skip", bad_paths: set[str] | None = None, num_mask_classes: int | None = None,
-                 patch_size: Sequence[int] | None = None, patch_foreground: float = 0.5, flip: bool = False) -> None:
-        super().__init__(samples, class_names, KeyedFlips(flip), read_options=read_options, on_bad_file=on_bad_file,
+                 patch_size: Sequence[int] | None = None, patch_foreground: float = 0.5, flip: bool = False,
+                 intensity: dict[str, float] | None = None) -> None:
+        super().__init__(samples, class_names, KeyedVolumeTransform(flip, intensity), read_options=read_options, on_bad_file=on_bad_file,
                          bad_paths=bad_paths)
         self.options, self.spacing = options, spacing
         self.size = None if size is None else tuple(int(n) for n in size)
@@ -419,8 +458,10 @@ class VolumeDataset(MedicalImageDataset):
 
             patch, mask = self.draw_patch(Volume(values, volume.affine), mask)
             values = patch.array
-        axes = self.transform.axes()  # drawn before the checks: one draw per item, whatever its outcome
+        axes, factor, offset = self.transform.draw()  # drawn before the checks: one draw per item, whatever its outcome
         tensor = finite_tensor(self.samples[index].path, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None])
+        if factor != 1.0 or offset != 0.0:
+            tensor = tensor * factor + offset
         if axes:
             tensor = tensor.flip([a + 1 for a in axes])
         if mask is None:
