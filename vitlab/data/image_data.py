@@ -439,6 +439,9 @@ class ImageData:
         return DataLoader(
             dataset, batch_size=self.batch_size if train or self.volume_size or not self.patch_size else 1, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
+            # worker seeds from a generator of the loader's own, not torch's global stream: 0 workers (an iterator
+            # per epoch) and persistent workers (one) then leave the same draws for the model's dropout / drop path
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:
