@@ -6,7 +6,6 @@ module level (``probe.py`` uses the output helpers and must start fast).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import os

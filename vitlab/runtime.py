@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from vitlab.figure_worker import FIGURE_MODES, PENDING_BYTES, FigureWorker, figure_worker, serve  # noqa: F401
+from vitlab.figure_worker import FIGURE_MODES, PENDING_BYTES, FigureWorker, figure_worker, serve
+
+__all__ = ["FIGURE_MODES", "PENDING_BYTES", "FigureWorker", "Runtime", "available_cores", "figure_worker", "frozen_heap",
+           "keep_freed_memory", "prepare_process", "prepare_training", "serve"]
 
 MMAP_THRESHOLD = 256 << 20  # bytes: blocks up to this size are served from (and freed back to) the heap
 TRIM_THRESHOLD = 512 << 20  # bytes of free heap top kept for reuse instead of being returned to the kernel
