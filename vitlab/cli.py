@@ -196,7 +196,7 @@ def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[
         trainer_defaults=_trainer_defaults(),
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
+        parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab).", "epilog": cli_support.configs_help()},
         args=args,
     )
     if cli.trainer.is_global_zero:
