@@ -38,6 +38,11 @@ def _run(argv: list, cwd: Path, timeout: int = 600) -> subprocess.CompletedProce
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """``vitlab-*.whl`` built from a copy of the checkout's build files (the checkout gets no build/ or egg-info)."""
+    import setuptools
+
+    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+    assert (major, minor) >= (70, 1), (f"setuptools {setuptools.__version__} cannot build a wheel without the `wheel` "
+                                       "package: install the dev extra (pip install -e \".[dev]\" -c constraints.txt)")
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
