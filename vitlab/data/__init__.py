@@ -1,4 +1,5 @@
-"""Files -> arrays -> batches: DICOM/PNG reading, layouts, splits, synthetic data, DataModule."""
+"""Files -> arrays -> batches: images (DICOM, PNG, ...) and volumes (NIfTI, DICOM series), layouts, splits,
+synthetic data, DataModules."""
 
 from vitlab.data.cache import ArrayCache, cache_root
 from vitlab.data.dataset import MedicalImageDataset

@@ -1,6 +1,6 @@
 """Volumes as training data: layouts of volumes, their slices and slabs as samples, and a bounded volume store.
 
-``data.sample`` (SPEC §11) turns each volume (a NIfTI file, a DICOM series folder, an enhanced multi-frame file)
+``data.sample`` (docs/volumes.md) turns each volume (a NIfTI file, a DICOM series folder, an enhanced multi-frame file)
 into samples:
 
 * ``slice``: every 2-D slice along k (the slice normal of a DICOM series, the third axis of a NIfTI file), shown
