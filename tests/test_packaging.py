@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from vitlab import cli_support
 
@@ -110,6 +111,19 @@ def test_installed_wheel_runs_the_quickstart_and_a_probe_from_an_empty_folder(in
 
 
 # ---------------------------------------------------------------------------------------------- the lookup itself
+
+
+@pytest.mark.parametrize("name", ["quickstart_volume", "quickstart_detection.yaml"])
+def test_a_shipped_config_by_name_picks_its_task_from_any_folder(name, tmp_path, monkeypatch, capsys):
+    from vitlab.cli import fit
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    with pytest.raises(SystemExit) as exc:
+        fit(["--config", name, "--print_config"])
+    assert exc.value.code == 0, capsys.readouterr().err
+    printed = yaml.safe_load(capsys.readouterr().out)
+    shipped = yaml.safe_load((REPO / "configs" / f"{name.removesuffix('.yaml')}.yaml").read_text())
+    assert printed["task"] == shipped["task"] and printed["model"]["model_name"] == shipped["model"]["model_name"]
 
 
 def test_help_names_the_shipped_configs():

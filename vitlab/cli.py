@@ -233,7 +233,7 @@ def _task_of(args: list[str] | dict[str, Any] | None) -> str:
     if isinstance(args, dict):
         task = args.get("task")
     else:
-        argv = list(sys.argv[1:] if args is None else args)
+        argv = cli_support.resolve_config_args(list(sys.argv[1:] if args is None else args))  # --config NAME: shipped
         for i, arg in enumerate(argv):
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
             if arg.split("=", 1)[0] in ("--config", "-c") and value and Path(value).is_file():
