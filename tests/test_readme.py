@@ -236,13 +236,15 @@ def _module_ref_problem(dotted: str) -> str | None:
     return None
 
 
-def _references(paths: list[Path]) -> list[tuple[str, int, str]]:
-    return [(str(path.relative_to(REPO)), line, text) for path in paths for line, text in _prose(path)]
+@cache
+def _references() -> list[tuple[str, int, str]]:
+    """(file, line, prose) of every note and source file (read once for the tests below)."""
+    return [(str(path.relative_to(REPO)), line, text) for path in NOTES + SOURCES for line, text in _prose(path)]
 
 
 def test_paths_named_in_docs_docstrings_and_comments_exist():
     missing = []
-    for where, line, text in _references(NOTES + SOURCES):
+    for where, line, text in _references():
         for ref in PATH_REF.findall(text):
             target, _, anchor = ref.partition("#")
             file = REPO / target
@@ -255,7 +257,7 @@ def test_paths_named_in_docs_docstrings_and_comments_exist():
 
 def test_modules_and_names_named_in_docs_docstrings_and_comments_exist():
     problems = []
-    for where, line, text in _references(NOTES + SOURCES):
+    for where, line, text in _references():
         for ref in MODULE_REF.findall(text):
             problem = _module_ref_problem(ref)
             if problem:
@@ -264,6 +266,6 @@ def test_modules_and_names_named_in_docs_docstrings_and_comments_exist():
 
 
 def test_no_reference_a_reader_of_the_repository_cannot_follow():
-    found = [f"{where}:{line}: {match.group(0)!r}" for where, line, text in _references(NOTES + SOURCES)
+    found = [f"{where}:{line}: {match.group(0)!r}" for where, line, text in _references()
              if where not in PRIVATE_REF_PENDING for match in PRIVATE_REF.finditer(text)]
     assert not found, "cite the paper's short name (README: the papers behind vitlab) or docs/:\n" + "\n".join(found)
