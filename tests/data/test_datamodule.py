@@ -16,11 +16,11 @@ import torch
 from PIL import Image
 from pydicom.data import get_testdata_file
 
-import vitlab.data.dataset as dataset_module
-import vitlab.data.dicom as dicom_module
-import vitlab.data.io as io_module
+import vitlab.data.datasets.images as dataset_module
+import vitlab.data.readers.dicom as dicom_module
+import vitlab.data.readers.image as io_module
 from vitlab.data import MedicalDataModule, SkippedFileWarning, read_image
-from vitlab.data.io import ImageReadError
+from vitlab.data import ImageReadError
 from vitlab.data.layouts import patient_overlap
 
 TRUNCATED = get_testdata_file("MR_truncated.dcm", download=False)

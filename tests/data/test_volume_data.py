@@ -15,10 +15,12 @@ import torch
 
 from vitlab.data.image_data import ImageData
 from vitlab.data.layouts import Sample
-from vitlab.data.read_options import ReadOptions, VolumeError
+from vitlab.data import ReadOptions, VolumeError
 from vitlab.data.sampling import EpochSampler
-from vitlab.data.synthetic_volumes import generate_volumes
-from vitlab.data.volume_data import VolumeOptions, VolumeStore, check_volumes
+from vitlab.data.synthetic import generate_volumes
+from vitlab.data.datasets.slices import VolumeStore
+from vitlab.data.volume_layouts import check_volumes
+from vitlab.data.volume_options import VolumeOptions
 
 AFFINE = np.array([[0.8, 0.1, 0, -20], [0, 0.7, 0.2, 5], [0, 0, 2.5, 30], [0, 0, 0, 1]])  # non-diagonal
 

@@ -15,14 +15,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
-from vitlab.data.dataset import MedicalImageDataset
-from vitlab.data.embedded import EmbeddedOptions, embedded_options
-from vitlab.data.io import ImageReader, ReadOptions
+from vitlab.data.datasets.images import MedicalImageDataset
+from vitlab.data.datasets.slices import VolumeStore
+from vitlab.data.datasets.volumes import VolumeDataset
+from vitlab.data.readers.image import ImageReader
+from vitlab.data.readers.options import ReadOptions
+from vitlab.data.synthetic.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.layouts import SPLITS, UNLABELLED, Layout, Sample, check_files, patient_overlap, scan, split_by_patient
 from vitlab.data.sampling import EpochSampler, KeyedAugmentation
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
-from vitlab.data.volume_data import (MASK_CLASSES, VolumeDataset, VolumeOptions, VolumeStore, check_volumes, intensity_jitter,
-                                     scan_volumes)
+from vitlab.data.volume_layouts import MASK_CLASSES, check_volumes, scan_volumes
+from vitlab.data.volume_options import VolumeOptions, intensity_jitter
 
 
 def _check_patches(sample: str, patch_size, patch_foreground, volume_size) -> None:
@@ -67,7 +70,7 @@ class ImageData:
         batch_size: Images per batch.
         num_workers: DataLoader worker processes (0 = load in the main process); they change the speed, never the
             batches. ``train.py`` sets it from ``runtime.workers``.
-        window: Window preset name (see ``vitlab.data.io.WINDOW_PRESETS``); None -> file tags / min-max.
+        window: Window preset name (see ``vitlab.data.readers.window.WINDOW_PRESETS``); None -> file tags / min-max.
         window_center: Explicit window center (HU for CT); needs ``window_width``.
         window_width: Explicit window width.
         window_index: Which of the file's windows to use when it lists several.
@@ -95,7 +98,7 @@ class ImageData:
             the manifest has a ``split`` column: then only its ``train`` rows do, and its val / test rows are left
             out (test patients stay out of pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
         sample: ``"image"``: 2-D image files. ``"slice"`` / ``"slab"`` / ``"volume"``: the items of ``root`` are volumes
-            (NIfTI files, DICOM series folders, enhanced multi-frame files; see :mod:`vitlab.data.volume_data`) and
+            (NIfTI files, DICOM series folders, enhanced multi-frame files; see :mod:`vitlab.data.volume_options`) and
             the samples are their slices, their 2.5-D slabs (``2 * slab_radius + 1`` slices as channels: ``in_chans``
             follows) or the whole volumes. ``root`` None -> the embedded synthetic volumes.
         slab_radius: Slices each side of the centre in a slab.

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vitlab.data.io import SUPPORTED_TYPES, ImageReadError, header_info, image_kind
+from vitlab.data.readers.errors import ImageReadError
+from vitlab.data.readers.image import SUPPORTED_TYPES, header_info, image_kind
 
 SPLITS = ("train", "val", "test")
 MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "mask", "boxes")
@@ -56,10 +57,10 @@ class Sample:
         patient_id: Patient the image belongs to (manifest column, DICOM PatientID, else the path);
             None until :func:`check_files` has run.
         split: ``"train"``, ``"val"``, ``"test"`` or None when not assigned yet.
-        mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.dense`), or None.
-        boxes: The manifest's ``boxes`` cell (``"x0 y0 x1 y1 label;..."``, see :func:`vitlab.data.dense.parse_boxes`;
+        mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.datasets.targets`), or None.
+        boxes: The manifest's ``boxes`` cell (``"x0 y0 x1 y1 label;..."``, see :func:`vitlab.data.boxes.parse_boxes`;
             ``""`` for an empty cell), or None without a ``boxes`` column.
-        series_uid: The series of a DICOM folder that holds several (volumes, see :mod:`vitlab.data.volume_data`).
+        series_uid: The series of a DICOM folder that holds several (volumes, see :mod:`vitlab.data.volume_layouts`).
         slice: Index k of the slice (or the slab's centre) in the volume ``path``; None for a 2-D image or a whole
             volume.
     """
@@ -127,7 +128,7 @@ def scan(
     if root.is_file():
         if root.suffix.lower() != ".csv":
             raise ValueError(f"data root {root} is a file but not a .csv manifest")
-        layout = _read_manifest(root, on_bad_file, labels)
+        layout = read_manifest(root, on_bad_file, labels)
     else:
         layout = _scan_class_folders(root) if labels else _scan_unlabelled(root)
     if not labels:
@@ -196,7 +197,7 @@ def _image_problem(path: Path) -> str | None:
     return None if image_kind(path) is not None else f"is not a supported image ({SUPPORTED_TYPES})"
 
 
-def _read_manifest(
+def read_manifest(
     manifest: Path, on_bad_file: str, labels: bool = True, problem: Callable[[Path], str | None] = _image_problem
 ) -> Layout:
     try:
@@ -255,7 +256,7 @@ def check_files(
     Args:
         samples: Samples from :func:`scan`.
         on_bad_file: ``"skip"`` (warn and drop) or ``"error"`` (raise the first problem).
-        inspect: The header check; :meth:`~vitlab.data.io.ImageReader.inspect` also remembers
+        inspect: The header check; :meth:`~vitlab.data.readers.image.ImageReader.inspect` also remembers
             each header so that reading the pixels later needs no second parse.
 
     Returns:

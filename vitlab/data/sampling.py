@@ -34,7 +34,7 @@ class EpochSampler(Sampler):
             counts its own iterations (a loader used outside a trainer).
         groups: With ``block``: the group (volume) of each sample. The groups are shuffled and visited ``block`` at
             a time, the samples of a block shuffled together, so a loader process that keeps ``block`` groups in
-            memory reads each group once per epoch (slices and slabs of volumes, see :mod:`vitlab.data.volume_data`).
+            memory reads each group once per epoch (slices and slabs of volumes, see :mod:`vitlab.data.datasets.slices`).
         block: Groups per block (0: no blocks, one shuffle over all samples).
     """
 

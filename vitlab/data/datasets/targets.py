@@ -24,7 +24,7 @@ import albumentations as A
 import numpy as np
 import torch
 
-from vitlab.data.dataset import MedicalImageDataset, finite_tensor, integer_downscale, to_channels
+from vitlab.data.datasets.images import MedicalImageDataset, finite_tensor, integer_downscale, to_channels
 from vitlab.data.layouts import Sample, skip_or_raise
 
 from vitlab.data.boxes import BOX_FORMAT, box_masks, parse_boxes, scan_coco  # noqa: F401  (the dense data's API)
@@ -63,7 +63,7 @@ class DenseDataset(MedicalImageDataset):
 
     Args:
         num_mask_classes: Foreground classes in the masks.
-        Other arguments: as :class:`~vitlab.data.dataset.MedicalImageDataset`.
+        Other arguments: as :class:`~vitlab.data.datasets.images.MedicalImageDataset`.
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], transform: A.Compose, *,

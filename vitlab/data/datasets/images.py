@@ -12,7 +12,9 @@ import torch
 from torch.utils.data import Dataset
 
 from vitlab.data.cache import ArrayCache, MemoryCache
-from vitlab.data.io import ImageReader, ImageReadError, ReadOptions
+from vitlab.data.readers.errors import ImageReadError
+from vitlab.data.readers.image import ImageReader
+from vitlab.data.readers.options import ReadOptions
 from vitlab.data.layouts import UNLABELLED, Sample, SkippedFileWarning
 
 T = TypeVar("T")
@@ -60,7 +62,7 @@ class MedicalImageDataset(Dataset):
         bad_paths: The set that collects the files skipped at decode time (a data module shares one among its
             datasets to count them); None -> a new one.
         volumes: Where slices and slabs of volume samples (``sample.slice`` set) come from
-            (:class:`vitlab.data.volume_data.VolumeStore`).
+            (:class:`vitlab.data.datasets.slices.VolumeStore`).
     """
 
     def __init__(
