@@ -57,7 +57,7 @@ def test_slab_channels_are_the_neighbouring_slices_with_ends_repeated(tmp_path):
     rng = np.random.default_rng(0)
     array = rng.uniform(-100, 1100, (16, 12, 6)).astype(np.float32)
     path = nifti(tmp_path / "v.nii.gz", array)
-    store = VolumeStore(VolumeOptions("slab", 2), ReadOptions(window_center=500, window_width=1000), capacity=1)
+    store = VolumeStore(VolumeOptions("slab", 2, volumes_in_memory=1), ReadOptions(window_center=500, window_width=1000))
     for k in range(6):
         slab = store.image(Sample(path, "a", slice=k))  # (J, I, 5)
         assert slab.shape == (12, 16, 5)
@@ -121,7 +121,7 @@ def test_the_store_holds_a_bounded_number_of_volumes_and_reads_each_once_per_epo
         assert data.volumes.decodes == (epoch + 1) * len(train_volumes)  # once per epoch, whatever the order
     assert data.volumes.most_held == 2
     # without blocks a shuffled slice order would reread volumes: the bound is what the block order buys
-    unordered = VolumeStore(data.volume_options, data.read_options, capacity=2)
+    unordered = VolumeStore(data.volume_options, data.read_options)  # (volumes_in_memory 2)
     samples = data.samples("train")
     for i in torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist():
         unordered.image(samples[i])

@@ -333,3 +333,39 @@ def patient_overlap(samples: Sequence[Sample]) -> dict[str, set[str]]:
     for sample in samples:
         splits_of[sample.patient_id].add(sample.split)
     return {p: s for p, s in splits_of.items() if len(s) > 1}
+
+
+def check_validation(root: Path, samples: list[Sample], val_fraction: float) -> None:
+    """An empty validation split stops the run (nothing to monitor); a class missing from it is warned about."""
+    patients: dict[str, set] = {}
+    for sample in samples:
+        patients.setdefault(sample.label, set()).add(sample.patient_id)
+    counts = ", ".join(f"{label}: {len(ids)}" for label, ids in sorted(patients.items()))
+    in_val = {s.label for s in samples if s.split == "val"}
+    if not in_val:
+        raise ValueError(
+            f"{root}: the patient-grouped split left validation empty (patients per class: {counts}; "
+            f"val_fraction {val_fraction}); add patients, give the manifest a 'split' column, or raise data.val_fraction")
+    absent = sorted(set(patients) - in_val)
+    if absent:
+        warnings.warn(
+            f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
+            "validation metrics ignore them", stacklevel=3)
+
+
+def training_only(unlabelled: list[Sample]) -> list[Sample]:
+    """Unlabelled images train and nothing else: a manifest's val / test rows stay out (there are no labels to
+    score them with, and test patients stay out of pretraining); the rest get ``split="train"``."""
+    return [replace(s, split="train") for s in unlabelled if s.split in (None, "train")]
+
+
+def warn_unlabelled_overlap(root: Path, extra: list[Sample], samples: list[Sample]) -> None:
+    """Warn when unlabelled training images belong to patients of the labelled val / test splits."""
+    held_out = {s.patient_id: s.split for s in samples if s.split in ("val", "test")}
+    shared = [s for s in extra if s.patient_id in held_out]
+    if shared:
+        example = shared[0]
+        warnings.warn(
+            f"unlabelled_root {root}: {len(shared)} image(s) belong to labelled {sorted({held_out[s.patient_id] for s in shared})} "
+            f"patients (e.g. {example.path.name}: {example.patient_id!r}); pretraining on them makes the k-NN score optimistic",
+            stacklevel=3)

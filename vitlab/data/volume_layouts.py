@@ -140,3 +140,29 @@ def check_volumes(samples: Sequence[Sample], options: VolumeOptions, on_bad_file
                 label = MASK_CLASSES[int(present[k])]
             kept.append(replace(whole, slice=k, label=label))
     return kept, skipped
+
+
+def volume_layout(root: Path, classes: Sequence[str] | None, *, labelled: bool, slice_labels: str, on_bad_file: str) -> Layout:
+    """The volumes under ``root`` (:func:`scan_volumes`) with their class names: the class folders' or the manifest's
+    labels (``classes`` fixes them and their order), or with ``slice_labels: mask`` a slice's absent / present
+    (``classes`` renames them, negative first)."""
+    by_mask = slice_labels == "mask"
+    if not root.exists():
+        raise FileNotFoundError(f"data root {root} does not exist (a folder of volumes or a .csv manifest)")
+    if by_mask and not labelled:
+        raise ValueError("data.slice_labels: mask labels slices; unlabelled volumes (data.labels false) have none")
+    layout = scan_volumes(root, labels=labelled and not by_mask, on_bad_file=on_bad_file)
+    if by_mask:
+        if classes is not None and len(classes) != 2:
+            raise ValueError(f"data.classes {classes}: slice_labels mask has two classes, [absent, present] in that order")
+        layout.class_names = list(classes or MASK_CLASSES)
+    elif labelled:
+        found = sorted({s.label for s in layout.samples})
+        unknown = [c for c in found if classes is not None and c not in classes]
+        if unknown:
+            raise ValueError(f"{root}: label(s) {unknown} are not among the classes {list(classes)}")
+        layout.class_names = list(classes) if classes is not None else found
+        if len(layout.class_names) < 2:
+            raise ValueError(f"{root}: found {len(layout.class_names)} class(es) {layout.class_names} of volumes; "
+                             "need at least two (or data.slice_labels: mask, or data.labels false)")
+    return layout

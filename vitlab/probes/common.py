@@ -399,7 +399,7 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
             raise ValueError(f"--images {' '.join(args.images)}: no volumes (.nii / .nii.gz files or folders of DICOM files)")
         samples, labelled, class_names, mask_classes = samples[:count], False, None, None
         read_options = ReadOptions(**{k: data[k] for k in ("window", "window_center", "window_width", "window_index") if k in data})
-        options = VolumeOptions("volume", intensity=data.get("intensity", "window"))
+        options = VolumeOptions("volume", intensity=data.get("intensity", "window"), spacing=spacing, volume_size=size)
     else:
         if data.get("sample") != "volume":
             data.update(sample="volume", volume_size=list(size))
@@ -417,7 +417,7 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
         # segmentation data: the label maps come with the volumes, on their grid (every chosen volume needs one)
         with_masks = bool(data.get("mask_classes")) and all(s.mask is not None for s in samples)
         mask_classes = [str(name) for name in data["mask_classes"]] if with_masks else None
-    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, spacing, size, on_bad_file="error",
+    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, on_bad_file="error",
                             num_mask_classes=len(mask_classes) if mask_classes else None)
     masks: dict[int, torch.Tensor] = {}  # the label map of the volume read last: read and read_mask share one load
     first = None if spacing is not None else tuple(float(v) for v in dataset.load_volume(0)[0].spacing)

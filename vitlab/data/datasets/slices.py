@@ -21,17 +21,15 @@ from vitlab.data.volume_options import VolumeOptions
 
 
 class VolumeStore:
-    """Prepared volumes of this process, at most ``capacity`` at a time (least recently used out).
+    """Prepared volumes of this process, at most ``options.volumes_in_memory`` at a time (least recently used out).
 
     A prepared volume is (K, J, I) float32, C-ordered (a slab is contiguous), values through :func:`intensities`;
     its label map (K, J, I) uint8 is read on first need. ``decodes`` counts volumes read, ``most_held`` the most
     held at once. A copy sent to a loader worker starts empty.
     """
 
-    def __init__(self, options: VolumeOptions, read_options: ReadOptions, capacity: int = 4) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"data.volumes_in_memory must be an int >= 1, got {capacity!r}")
-        self.options, self.read_options, self.capacity = options, read_options, capacity
+    def __init__(self, options: VolumeOptions, read_options: ReadOptions) -> None:
+        self.options, self.read_options, self.capacity = options, read_options, options.volumes_in_memory
         self._held: OrderedDict = OrderedDict()
         self.decodes = self.most_held = 0
 

@@ -52,20 +52,21 @@ class KeyedVolumeTransform:
 
 
 class VolumeDataset(MedicalImageDataset):
-    """Whole volumes (``data.sample: volume``): each resampled to ``spacing`` mm (trilinear, :func:`resample`),
-    cropped / padded about its centre to ``size`` voxels, values through :func:`intensities`; items are
-    ``(tensor (1, I, J, K), label)`` in the volume's array axes (MONAI's channel-first layout). Bad volumes are
-    skipped as images are (:meth:`first_good`). ``size`` None keeps each volume's resampled size (batches of
-    one, or patches). The augmentations are ``flip`` and ``intensity`` (``transform`` is a
-    :class:`KeyedVolumeTransform`), seeded per sample
+    """Whole volumes (``data.sample: volume``): each resampled to ``options.spacing`` mm (trilinear,
+    :func:`resample`), cropped / padded about its centre to ``options.volume_size`` voxels, values through
+    :func:`intensities`; items are ``(tensor (1, I, J, K), label)`` in the volume's array axes (MONAI's
+    channel-first layout). Bad volumes are skipped as images are (:meth:`first_good`). ``volume_size`` None keeps
+    each volume's resampled size (batches of one, or patches). The augmentations (``augmented``: training) are
+    ``options.volume_flip`` and ``options.volume_intensity`` (``transform`` is a :class:`KeyedVolumeTransform`),
+    seeded per sample
     with the patch draw by :class:`~vitlab.data.sampling.KeyedAugmentation` from (seed, epoch, index) in the
     training loader, so neither depends on the loader workers.
 
     With ``num_mask_classes`` (segmentation) items are ``(tensor, {"mask": (I, J, K) int64})``: the label map
     resampled with nearest neighbours onto the same grid and padded with background.
 
-    With ``patch_size`` (training) each item is a random patch of that many voxels of the volume (padded first
-    where smaller), as MONAI's ``RandCropByPosNegLabeld`` draws them: with probability ``patch_foreground`` the
+    With ``options.patch_size`` (training) each item is a random patch of that many voxels of the volume (padded first
+    where smaller), as MONAI's ``RandCropByPosNegLabeld`` draws them: with probability ``options.patch_foreground`` the
     patch is centred on a random foreground voxel of the label map (when it has one), else placed uniformly
     (shifted inside the volume). The draws come from the generator :meth:`set_random_state` gives, which
     :class:`~vitlab.data.sampling.KeyedAugmentation` seeds with (seed, epoch, index): whatever the loader
@@ -74,33 +75,25 @@ class VolumeDataset(MedicalImageDataset):
     Args:
         samples: One per volume (``slice`` None).
         class_names: Class order.
-        options: The volume options (intensity).
+        options: The volume options: ``spacing``, ``volume_size``, ``intensity``, and for training ``patch_size``,
+            ``patch_foreground``, ``volume_flip`` and ``volume_intensity``.
         read_options: The window.
-        spacing: Voxel size in mm along i, j, k; None keeps each volume's own.
-        size: Voxels along i, j, k after crop / pad; None keeps each volume's size.
+        augmented: Training items: random patches (with ``options.patch_size``), flips and intensity jitter as the
+            options say; else the whole (cropped / padded) volume as it is.
         on_bad_file: ``"skip"`` or ``"error"``.
         bad_paths: The set that collects volumes skipped at load time.
         num_mask_classes: Foreground classes of the label maps (segmentation); None: items carry the volume's label.
-        patch_size: Voxels along i, j, k of a random training patch; None: the whole (cropped / padded) volume.
-        patch_foreground: Probability that a patch is centred on a foreground voxel (segmentation).
-        flip: Flip each item (volume and label map) along each of i, j, k with probability 0.5 (``data.volume_flip``,
-            training only).
-        intensity: Random intensity scale / shift of each item (``data.volume_intensity``, training only; see
-            :class:`KeyedVolumeTransform`).
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], options: VolumeOptions,
-                 read_options: ReadOptions, spacing: Sequence[float] | None, size: Sequence[int] | None, *,
-                 on_bad_file: str = "skip", bad_paths: set[str] | None = None, num_mask_classes: int | None = None,
-                 patch_size: Sequence[int] | None = None, patch_foreground: float = 0.5, flip: bool = False,
-                 intensity: dict[str, float] | None = None) -> None:
-        super().__init__(samples, class_names, KeyedVolumeTransform(flip, intensity), read_options=read_options, on_bad_file=on_bad_file,
-                         bad_paths=bad_paths)
-        self.options, self.spacing = options, spacing
-        self.size = None if size is None else tuple(int(n) for n in size)
+                 read_options: ReadOptions, *, augmented: bool = False, on_bad_file: str = "skip",
+                 bad_paths: set[str] | None = None, num_mask_classes: int | None = None) -> None:
+        transform = KeyedVolumeTransform(augmented and options.volume_flip, options.volume_intensity if augmented else None)
+        super().__init__(samples, class_names, transform, read_options=read_options, on_bad_file=on_bad_file, bad_paths=bad_paths)
+        self.options, self.spacing, self.size = options, options.spacing, options.volume_size
         self.num_mask_classes = num_mask_classes
-        self.patch_size = None if patch_size is None else tuple(int(n) for n in patch_size)
-        self.patch_foreground = float(patch_foreground)
+        self.patch_size = options.patch_size if augmented else None
+        self.patch_foreground = float(options.patch_foreground)
         self.rng = np.random.default_rng(0)  # reseeded per item by KeyedAugmentation
         self.last_spacing: tuple[float, ...] | None = None
 
