@@ -62,5 +62,5 @@ class DenseImageData(ImageData):
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, bad_paths=self.bad_paths, volumes=self.volumes,
+            memory=self.memory, skipped=self.skipped, volumes=self.volumes,
         )  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
-from vitlab.data.datasets.images import MedicalImageDataset
+from vitlab.data.datasets.images import MedicalImageDataset, SkippedFiles
 from vitlab.data.datasets.slices import VolumeStore
 from vitlab.data.datasets.volumes import VolumeDataset
 from vitlab.data.layouts import (SPLITS, UNLABELLED, Sample, check_files, check_validation, patient_overlap, scan, split_by_patient,
@@ -42,12 +42,12 @@ class ImageData:
     Bad files, without decoding anything twice: ``setup`` reads every header once (missing files,
     non-DICOM, no pixel data, missing decoder plugin, truncated uncompressed pixels; DICOM
     PatientIDs for the split). Under ``on_bad_file="skip"`` each is warned about and dropped and
-    ``skipped_files`` counts them (logged as ``data/skipped_files`` to the trainer's loggers);
-    under ``"error"`` the first one stops the run. The headers stay in ``self.reader``, so the
-    loaders read uncompressed pixels without parsing again; a file that still fails at decode
-    time (e.g. corrupt compressed data, or a sample tensor that is not finite) is warned about and
-    replaced by the next image, and counted in ``skipped_files`` when it was loaded in this process
-    (loader workers warn about theirs; their count stays in the worker).
+    ``skipped_files`` counts them; under ``"error"`` the first one stops the run. The headers stay in
+    ``self.reader``, so the loaders read uncompressed pixels without parsing again; a file that still fails
+    at decode time (e.g. corrupt compressed data, or a sample tensor that is not finite) is warned about and
+    replaced by the next image, and counted in ``skipped_files`` whichever process loaded it (the loader
+    workers share :attr:`skipped` with this one). A training run logs the count as ``data/skipped_files``
+    (:class:`vitlab.callbacks.RuntimeCallback`); the data knows nothing of the trainer.
 
     Args:
         root: Class-folder root or a ``.csv`` manifest; None -> the embedded synthetic dataset.
@@ -204,9 +204,8 @@ class ImageData:
         self.class_names: list[str] = layout.class_names
         self.num_classes: int = len(layout.class_names)
         self._skipped_at_setup: int = len(layout.skipped or [])
-        self.bad_paths: set[str] = set()  # files the datasets skipped at decode time in this process
+        self.skipped = SkippedFiles()  # files the datasets skip at decode time (indexed by the samples at setup)
         self._samples: list[Sample] | None = None
-        self._skips_logged = False
         self.array_cache = _array_cache(self.root, self.read_options, cache_dir) if cache else None
 
     def _check(self, samples: list[Sample]) -> tuple[list[Sample], list[str]]:
@@ -236,6 +235,7 @@ class ImageData:
         if extra:
             warn_unlabelled_overlap(self.unlabelled_root, extra, samples)
         self._samples = samples + extra
+        self.skipped = SkippedFiles(str(s.path) for s in self._samples)  # (before any loader: workers share it)
         return self._samples
 
     def _split(self, kept: list[Sample]) -> list[Sample]:
@@ -276,8 +276,14 @@ class ImageData:
 
     @property
     def skipped_files(self) -> int:
-        """Bad files left out: at setup (layout, headers, masks) and at decode time in this process."""
+        """Bad files left out: at setup (layout, headers, masks) and at decode time, in this process or its loader
+        workers."""
         return self._skipped_at_setup + len(self.bad_paths)
+
+    @property
+    def bad_paths(self) -> set[str]:
+        """The files skipped at decode time so far, in this process or its loader workers."""
+        return self.skipped.found
 
     def samples(self, split: str) -> list[Sample]:
         """Samples of one split (``"train"``, ``"val"`` or ``"test"``) with their patient ids."""
@@ -302,17 +308,8 @@ class ImageData:
     trainer = None  # (the LightningDataModule's, when there is one)
 
     def setup(self, stage: str | None = None) -> None:
-        """Check headers, assign splits and log ``data/skipped_files`` to the trainer's loggers (at step 0, once per
-        run: not again when a killed run resumes)."""
+        """Check headers and assign splits (once; ``skipped_files`` then counts the files left out)."""
         self._prepare()
-        trainer = self.trainer
-        if trainer is not None and not self._skips_logged:
-            from vitlab.outputs.tensorboard import resume_step
-
-            if resume_step(trainer) == 0:  # once per run: a resumed run's point from its first start is kept
-                for logger in trainer.loggers:
-                    logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
-            self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders
     def dataset(self, split: str, *, augmented: bool = False, labelled_only: bool = False) -> MedicalImageDataset:
@@ -327,7 +324,7 @@ class ImageData:
             samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, deterministic=not augmented, bad_paths=self.bad_paths, volumes=self.volumes,
+            memory=self.memory, deterministic=not augmented, skipped=self.skipped, volumes=self.volumes,
         )  # fmt: skip
 
     collate_fn = None  # (the dense data module's batches of targets)
@@ -336,7 +333,7 @@ class ImageData:
         """Whole volumes of ``samples`` (``data.sample: volume``); ``augmented`` (training): random patches when
         ``data.patch_size`` is set, flips with ``data.volume_flip``, intensity jitter with ``data.volume_intensity``."""
         return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, augmented=augmented,
-                             on_bad_file=self.on_bad_file, bad_paths=self.bad_paths, num_mask_classes=num_mask_classes)
+                             on_bad_file=self.on_bad_file, skipped=self.skipped, num_mask_classes=num_mask_classes)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,

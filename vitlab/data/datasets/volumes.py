@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vitlab.data.datasets.images import MedicalImageDataset, finite_tensor
+from vitlab.data.datasets.images import MedicalImageDataset, SkippedFiles, finite_tensor
 from vitlab.data.layouts import Sample
 from vitlab.data.masks import read_label_map, within_classes
 from vitlab.data.readers.options import ReadOptions
@@ -81,15 +81,15 @@ class VolumeDataset(MedicalImageDataset):
         augmented: Training items: random patches (with ``options.patch_size``), flips and intensity jitter as the
             options say; else the whole (cropped / padded) volume as it is.
         on_bad_file: ``"skip"`` or ``"error"``.
-        bad_paths: The set that collects volumes skipped at load time.
+        skipped: The record of the volumes skipped at load time (:class:`~vitlab.data.datasets.images.SkippedFiles`).
         num_mask_classes: Foreground classes of the label maps (segmentation); None: items carry the volume's label.
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], options: VolumeOptions,
                  read_options: ReadOptions, *, augmented: bool = False, on_bad_file: str = "skip",
-                 bad_paths: set[str] | None = None, num_mask_classes: int | None = None) -> None:
+                 skipped: SkippedFiles | None = None, num_mask_classes: int | None = None) -> None:
         transform = KeyedVolumeTransform(augmented and options.volume_flip, options.volume_intensity if augmented else None)
-        super().__init__(samples, class_names, transform, read_options=read_options, on_bad_file=on_bad_file, bad_paths=bad_paths)
+        super().__init__(samples, class_names, transform, read_options=read_options, on_bad_file=on_bad_file, skipped=skipped)
         self.options, self.spacing, self.size = options, options.spacing, options.volume_size
         self.num_mask_classes = num_mask_classes
         self.patch_size = options.patch_size if augmented else None
