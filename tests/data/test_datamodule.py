@@ -109,9 +109,8 @@ def test_user_transforms_get_resize_and_normalize_appended(tmp_path):
 
 
 def _epoch_batches(dm, epoch: int) -> list[torch.Tensor]:
-    dm.trainer = None
     loader = dm.train_dataloader()
-    loader.sampler._iterations = epoch  # (outside a trainer the sampler counts its epochs)
+    loader.sampler.set_epoch(epoch)  # (as Lightning does before every training epoch)
     return [images for images, _ in loader]
 
 

@@ -130,7 +130,8 @@ def test_the_store_holds_a_bounded_number_of_volumes_and_reads_each_once_per_epo
 
 def test_block_order_is_a_seeded_permutation_visiting_groups_block_by_block():
     groups = [g for g in range(7) for _ in range(3 + g % 2)]
-    sampler = EpochSampler(len(groups), seed=3, groups=groups, block=2, epoch_of=lambda: 0)
+    sampler = EpochSampler(len(groups), seed=3, groups=groups, block=2)
+    sampler.set_epoch(0)
     order = [i for i, _ in sampler]
     assert sorted(order) == list(range(len(groups))) and order == [i for i, _ in sampler]
     held, loads = [], 0  # a store of 2 groups, least recently used out, reads each group once
@@ -142,9 +143,10 @@ def test_block_order_is_a_seeded_permutation_visiting_groups_block_by_block():
             held = held[-1:]
         held.append(groups[i])
     assert loads == 7
-    plain = EpochSampler(len(groups), seed=3, epoch_of=lambda: 0)  # (without groups: one shuffle, many more loads)
+    plain = EpochSampler(len(groups), seed=3)  # (without groups: one shuffle, many more loads)
     assert sorted(i for i, _ in plain) == list(range(len(groups)))
-    other = EpochSampler(len(groups), seed=3, groups=groups, block=2, epoch_of=lambda: 1)
+    other = EpochSampler(len(groups), seed=3, groups=groups, block=2)
+    other.set_epoch(1)
     assert [i for i, _ in other] != order
 
 

@@ -305,8 +305,6 @@ class ImageData:
         """Images per class in each split, e.g. ``{"train": {"lesion": 115, ...}, ...}``."""
         return {split: dict(Counter(s.label for s in self.samples(split))) for split in SPLITS}
 
-    trainer = None  # (the LightningDataModule's, when there is one)
-
     def setup(self, stage: str | None = None) -> None:
         """Check headers and assign splits (once; ``skipped_files`` then counts the files left out)."""
         self._prepare()
@@ -341,10 +339,9 @@ class ImageData:
         dataset = self.dataset(split, augmented=train)
         sampler = None
         if train:
-            epoch_of = lambda: self.trainer.current_epoch if self.trainer is not None else None  # noqa: E731
             groups = None if self.volumes is None else [(s.path, s.series_uid) for s in dataset.samples]
             block = 0 if self.volumes is None else self.volume_options.volumes_in_memory
-            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, epoch_of=epoch_of, groups=groups, block=block)
+            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, groups=groups, block=block)  # (set_epoch: Lightning)
             dataset = KeyedAugmentation(dataset, self.seed)
         workers = self.num_workers
         if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever
