@@ -25,7 +25,7 @@ from vitlab.data.readers.options import ReadOptions
 from vitlab.data.sampling import EpochSampler, KeyedAugmentation
 from vitlab.data.synthetic import embedded as embedded_sets  # (looked up at call time: tests replace them)
 from vitlab.data.synthetic.embedded import EmbeddedOptions, embedded_options
-from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
+from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, single_opencv_thread, train_transform
 from vitlab.data.volume_layouts import MASK_CLASSES, check_volumes, volume_layout
 from vitlab.data.volume_options import VolumeOptions
 
@@ -344,12 +344,11 @@ class ImageData:
             sampler = EpochSampler(len(dataset), self.seed, shuffle=True, groups=groups, block=block)  # (set_epoch: Lightning)
             dataset = KeyedAugmentation(dataset, self.seed)
         workers = self.num_workers
-        if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever
-            import cv2
-
-            cv2.setNumThreads(1)
+        single_opencv_thread()  # (here, before any worker forks)
+        # validation / test volumes of their own sizes: one per batch (sliding-window inference)
+        whole = not train and self.volume_options is not None and self.volume_options.own_size
         return DataLoader(
-            dataset, batch_size=1 if not train and self.volume_options is not None and self.volume_options.own_size else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+            dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
         )
 
