@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> Path:
     from vitlab.data.synthetic.volumes import generate_volumes
 
     generate = slices.generate
-    parser = argparse.ArgumentParser(description=slices.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vitlab.data.synthetic", description=slices.__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="destination folder (new or empty)")
     parser.add_argument("--volumes", action="store_true", help="write 3-D volumes (NIfTI + DICOM series) instead")
     slices_only, volumes_only = inspect.signature(generate).parameters, inspect.signature(generate_volumes).parameters
