@@ -62,7 +62,7 @@ def make_images(folder: Path, count: int, size: int = 224, kind: str = "png") ->
     return folder
 
 
-BASELINE_COMMIT = "598c802"  # the last commit before issue 12 §7 touched probe.py mi
+BASELINE_COMMIT = "598c802"  # the last commit before probe.py mi streamed its images
 
 
 def baseline_tree(commit: str, folder: Path) -> Path:

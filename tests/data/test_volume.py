@@ -1,6 +1,6 @@
 """vitlab.data.read_volume: the geometry contract against independent computations, values, refusals, synthetic volumes.
 
-The contract (SPEC §11): ``array[i, j, k]`` is the voxel whose centre lies at ``affine @ [i, j, k, 1]`` in RAS+ mm,
+The contract (docs/volumes.md): ``array[i, j, k]`` is the voxel whose centre lies at ``affine @ [i, j, k, 1]`` in RAS+ mm,
 (x, y, z)_RAS = (-x, -y, z)_LPS. The tests plant voxels in DICOM series whose patient positions they compute
 themselves from the direction cosines, spacings and origin they chose, and look for them at ``inv(affine) @ RAS``.
 """
@@ -21,7 +21,7 @@ from pydicom.uid import JPEG2000Lossless, JPEGLSLossless, RLELossless
 
 from vitlab.data import ImageReadError, Volume, VolumeError, generate_volumes, read_volume
 from vitlab.data.synthetic import main as synthetic_main
-from vitlab.data.synthetic_volumes import write_enhanced, write_nifti, write_series
+from vitlab.data.synthetic.volumes import write_enhanced, write_nifti, write_series
 
 SHAPE = (20, 16, 7)  # (I columns, J rows, K slices): unequal, so that a swapped axis shows
 

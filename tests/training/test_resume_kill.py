@@ -173,7 +173,7 @@ def image_run_args(tiny_dataset) -> RunArgs:
 def volume_run_args(tmp_path_factory) -> RunArgs:
     """A tiny SwinUNETR (drop path 0.1) segmenting 4 synthetic CT patients' whole volumes (2 train, 2 validation)."""
     from tests.probes.volume_runs import SWIN_UNETR, volume_fit_args
-    from vitlab.data.synthetic_volumes import generate_volumes
+    from vitlab.data.synthetic import generate_volumes
 
     manifest = generate_volumes(tmp_path_factory.mktemp("volumes"), patients=4, size=32, slices=8, seed=2, difficulty=0.0)
     kwargs = json.dumps({**yaml.safe_load(SWIN_UNETR), "dropout_path_rate": 0.1})

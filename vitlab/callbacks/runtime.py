@@ -49,6 +49,7 @@ class RuntimeCallback(pl.Callback):
         self.figure_worker: FigureWorker | None = None
         self._pause = False
         self._epoch_end = False  # between this callback's on_train_epoch_end and the next epoch's start
+        self._skipped_files: int | None = None  # data/skipped_files as last logged (rank 0)
         self._loaded: dict[str, Any] | None = None  # the state of the checkpoint this fit resumes from
         self._restore_streams = False  # the loaded random streams wait for the first epoch (or batch)
         self._resumed_done = False
@@ -64,6 +65,7 @@ class RuntimeCallback(pl.Callback):
 
             for path in remove_stale_temps(run_dir):
                 print(f"vitlab: removed {path}, left by the killed run")
+        self._skipped_files = log_skipped_files(trainer, None)
         if self.figures != "off" and self.figure_worker is None:
             self.figure_worker = FigureWorker(process=self.figures == "auto")
 
@@ -81,11 +83,15 @@ class RuntimeCallback(pl.Callback):
             streams = gathered
         worker = self.figure_worker
         pending = worker.pending() if worker is not None else []
-        return {"rng": streams, "figures": [figure_state(tag, step, ordinal, figure) for tag, step, ordinal, figure in pending]}
+        return {"rng": streams, "figures": [figure_state(tag, step, ordinal, figure) for tag, step, ordinal, figure in pending],
+                "skipped_files": self._skipped_files}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict
         self._restore_streams = bool(state_dict.get("rng"))
+        logged = state_dict.get("skipped_files")
+        if logged is not None and self._skipped_files is not None:  # (rank 0) the count its points already show
+            self._skipped_files = max(self._skipped_files, int(logged))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.strategy.restore_checkpoint_after_setup:  # (then the checkpoint is loaded by now)
@@ -152,6 +158,8 @@ class RuntimeCallback(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_end = True  # (runs before the checkpoints: Lightning calls monitoring callbacks last)
+        if trainer.is_global_zero:
+            self._skipped_files = log_skipped_files(trainer, self._skipped_files)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if self._restore_streams:  # resumed within an epoch (a checkpoint saved by steps)
@@ -249,6 +257,27 @@ def log_validation_figures(trainer: pl.Trainer, pl_module: pl.LightningModule) -
         return
     for tag, figure in make().items():
         worker.submit(writer, tag, logging_step(trainer), figure)
+
+
+def log_skipped_files(trainer: pl.Trainer, logged: int | None) -> int | None:
+    """``data/skipped_files``: the bad files the data module left out (its ``skipped_files``) to the trainer's loggers.
+
+    ``logged`` None (the fit's set-up): the count at step 0, once per run (a resumed run keeps its first start's
+    point). Later (the end of a training epoch): the count again, at the epoch's step, when files that failed only
+    when loaded (by this process or its loader workers) have raised it. Returns the count now known.
+    """
+    count = getattr(trainer.datamodule, "skipped_files", None)
+    if count is None:
+        return logged
+    from vitlab.outputs.tensorboard import epoch_end_step, resume_step
+
+    if logged is None:
+        step = 0 if resume_step(trainer) == 0 else None
+    else:
+        step = epoch_end_step(trainer) if count > logged else None
+    for logger in trainer.loggers if step is not None else ():
+        logger.log_metrics({"data/skipped_files": float(count)}, step=step)
+    return count
 
 
 def settle_outputs(trainer: pl.Trainer, epoch_end: bool) -> None:

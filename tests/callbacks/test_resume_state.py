@@ -217,7 +217,7 @@ def test_checkpoints_are_never_held_back_by_a_figure_worker_that_draws_nothing(t
     monkeypatch.setattr(runtime_callback, "FigureWorker", Stuck)
     SEEN.clear()
     cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=3, extra=[
-        "--trainer.callbacks+=tests.callbacks.test_runtime_callback.WatchCheckpoints"]))
+        "--trainer.callbacks+=tests.callbacks.test_resume_state.WatchCheckpoints"]))
     assert [epoch for epoch, _ in SEEN] == [0, 1]
     assert 0 < SEEN[0][1] < SEEN[1][1]  # nothing drawn: the backlog grows, the checkpoints do not wait for it
     written = written_images(cli.trainer.log_dir)
