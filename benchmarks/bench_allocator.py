@@ -1,11 +1,12 @@
 """Training steps of the quickstart volume model with glibc's default ``malloc`` against vitlab's
-:func:`vitlab.runtime.keep_freed_memory`, side by side in one run.
+:func:`vitlab.runtime.keep_freed_memory` (which ``train.py`` sets for runs on 3-D volumes), side by side in one run.
 
-Each measurement is a fresh process (the allocator is set before torch allocates anything) that builds the
-quickstart's SwinUNETR (``configs/quickstart_volume.yaml``'s ``model.model_kwargs``: 32^3, feature size 12), its
-AdamW and a batch of 2 random volumes, takes one warm-up step and then times ``--steps`` training steps (forward,
-cross-entropy, backward, AdamW). The two settings alternate ``--repeats`` times; printed per setting are the
-fastest wall time, the user and system CPU seconds of that repeat and the peak resident memory, then the ratios.
+Each measurement is a fresh process (the allocator is set once torch is imported, before the model is built:
+where ``train.py`` sets it) that builds the quickstart's SwinUNETR (``configs/quickstart_volume.yaml``'s
+``model.model_kwargs``: 32^3, feature size 12), its AdamW and a batch of 2 random volumes, takes one warm-up
+step and then times ``--steps`` training steps (forward, cross-entropy, backward, AdamW). The two settings
+alternate ``--repeats`` times; printed per setting are the fastest wall time, the user and system CPU seconds of
+that repeat and the peak resident memory, then the ratios.
 Three models: the quickstart's SwinUNETR with MONAI's default 7^3 windows (as ``configs/medical_swinunetr.yaml``
 and most SwinUNETR users train; 16^3 tokens padded to 21^3: attention tensors of tens of MB), the quickstart's
 own (4^3 windows: small tensors) and the 2-D quickstart's Swin (``configs/quickstart.yaml``).
@@ -32,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 _STEPS = r"""
 import json, os, resource, sys, time
 mode, model, steps, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-from vitlab.runtime import keep_freed_memory
-kept = keep_freed_memory() if mode == "kept" else False
 import torch
+from vitlab.runtime import keep_freed_memory
+kept = keep_freed_memory() if mode == "kept" else False  # (after torch is imported, before the model: as train.py sets it)
 import torch.nn.functional as F
 from vitlab.models import build_model, build_segmenter
 torch.set_num_threads(threads)

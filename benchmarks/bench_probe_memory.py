@@ -1,8 +1,10 @@
 """Benchmark: peak RSS and wall time of ``probe.py mi`` on ViT-B/16 (random weights), this tree against the baseline.
 
-Goals: peak RSS <= 2.5 GB at N = 2000 images, and wall time <= 0.5x today's at N = 600.
-Each run is a fresh ``python probe.py mi --model vit_base_patch16_224 --images DIR --num-images N`` process
-(224 px synthetic PNGs, random weights, no downloads); its peak RSS is the child's ``ru_maxrss`` (os.wait4).
+Goals: peak RSS <= 2.5 GB at N = 600 and at N = 2000 images, and wall time <= 0.5x the pre-streaming code's at N = 600.
+Each run is a fresh ``python probe.py mi --model vit_base_patch16_224 --images DIR --num-images N`` process, set up
+as ``probe.py`` sets itself up (glibc's allocator as the user left it: ``MALLOC_*`` / ``VITLAB_MALLOC`` are cleared)
+(224 px synthetic PNGs, or with ``--format dicom`` the synthetic CT slices as 16-bit DICOMs; random weights, no
+downloads); its peak RSS is the child's ``ru_maxrss`` (os.wait4).
 The baseline ("before") is the same command in the pre-fix code: by default ``git archive 598c802`` (the tree
 the issue measured: all images and all channels in memory, fp32 forward) extracted into a temporary folder;
 ``--reference-tree DIR`` runs another checkout instead. The runs alternate (before, this tree) per N, and the
@@ -18,9 +20,11 @@ both sizes >= 64 (or read the fit with care). ``--estimation-phase 2000`` also r
 alone at that N on random neurons of ViT-B/16's shapes (``_mi_estimation_phase.py``): in the new code the
 recording phase holds one batch and writes the neurons to a file, so its peak does not grow with N, and the
 peak of a run at N is the larger of the recording-phase peak (any N >= 64) and the estimation-phase peak at N.
-``--also-fp32`` adds this tree with ``--precision fp32`` (same MI as the baseline), ``--forward-only`` the bare
-forward alone in fp32 and bf16 (what no change to the probe itself can go below).
-Run: ``python benchmarks/bench_probe_memory.py [--num-images 600] [--estimation-phase 2000] [--also-fp32] [--forward-only]``.
+``--also-fp32`` adds this tree with ``--precision fp32`` (same MI as the baseline), ``--also-system`` this tree
+with ``VITLAB_MALLOC=system`` (what glibc's defaults give), ``--forward-only`` the bare forward alone in fp32 and
+bf16 (what no change to the probe itself can go below).
+Run: ``python benchmarks/bench_probe_memory.py [--num-images 600] [--format dicom] [--also-system] [--estimation-phase 2000]
+[--also-fp32] [--forward-only]``.
 """
 
 from __future__ import annotations
@@ -39,10 +43,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_images(folder: Path, count: int, size: int = 224) -> Path:
-    """``count`` smooth random greyscale PNGs (low-resolution noise, bicubic upsampled) in ``folder``."""
+def make_images(folder: Path, count: int, size: int = 224, kind: str = "png") -> Path:
+    """``count`` smooth random greyscale PNGs (low-resolution noise, bicubic upsampled) in ``folder``; ``kind="dicom"``:
+    the synthetic CT slices of :func:`vitlab.data.synthetic.generate` instead (4 per patient, 16-bit DICOM)."""
     from PIL import Image
 
+    if kind == "dicom":
+        from vitlab.data.synthetic import generate
+
+        generate(folder, seed=0, patients=-(-count // 4), slices=4, size=size)
+        shutil.rmtree(folder / "masks")  # (the lesion masks: PNGs the probe would read as images)
+        return folder
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for i in range(count):
@@ -76,9 +87,10 @@ def mi_difference(out_before: Path, out_after: Path) -> tuple[float, float, int]
     return float(np.nanmax(diffs["mi_same"])), float(np.nanmax(diffs["mi_cross"])), len(rows[0])
 
 
-def run_mi(tree: Path, images: Path, count: int, out: Path, threads: int, extra: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GB) of one ``probe.py mi`` process run in ``tree``."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
+def run_mi(tree: Path, images: Path, count: int, out: Path, threads: int, extra: list[str], env_extra: dict | None = None) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GB) of one ``probe.py mi`` process run in ``tree`` (prepared as ``probe.py`` prepares it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "VITLAB_MALLOC"))}
+    env.update(PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), TQDM_DISABLE="1", **(env_extra or {}))
     cmd = [sys.executable, "probe.py", "mi", "--model", "vit_base_patch16_224", "--images", str(images), "--num-images", str(count),
            "--out", str(out), "--overwrite", *extra]
     start = time.perf_counter()
@@ -126,10 +138,12 @@ def main() -> None:
     parser.add_argument("--extra-after", default="", help="probe.py mi options for this tree only, e.g. '--precision fp32'")
     parser.add_argument("--also-fp32", action="store_true", help="also run this tree with --precision fp32 (the fp32 path's own ratio)")
     parser.add_argument("--forward-only", action="store_true", help="also time the bare forward alone (fp32 and bf16) at each N")
+    parser.add_argument("--also-system", action="store_true", help="also run this tree with VITLAB_MALLOC=system (glibc's defaults)")
+    parser.add_argument("--format", choices=("png", "dicom"), default="png", help="the images: PNGs, or synthetic CT DICOMs")
     parser.add_argument("--estimation-phase", type=int, nargs="*", default=[], help="N at which to measure this tree's estimation phase alone")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-probe-memory-"))
-    images = make_images(tmp / "images", max(args.num_images))
+    images = make_images(tmp / "images", max(args.num_images), kind=args.format)
     if args.reference_tree:
         reference = args.reference_tree.resolve()
     elif args.baseline_commit != "none":
@@ -137,13 +151,15 @@ def main() -> None:
         print(f"before = git archive {args.baseline_commit} (pre-fix baseline); after = {ROOT}", flush=True)
     else:
         reference = None
-    trees = {**({"before": reference} if reference else {}), "after": ROOT, **({"after-fp32": ROOT} if args.also_fp32 else {})}
+    trees = {**({"before": reference} if reference else {}), "after": ROOT, **({"after-fp32": ROOT} if args.also_fp32 else {}),
+             **({"after-system": ROOT} if args.also_system else {})}
     results: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in trees}
     try:
         for count in args.num_images:
             for name, tree in trees.items():
                 extra = args.extra.split() + (args.extra_after.split() if name == "after" else ["--precision", "fp32"] if name == "after-fp32" else [])
-                results[name][count] = run_mi(tree, images, count, tmp / f"out-{name}-{count}", args.threads, extra)
+                system = {"VITLAB_MALLOC": "system"} if name == "after-system" else None
+                results[name][count] = run_mi(tree, images, count, tmp / f"out-{name}-{count}", args.threads, extra, system)
                 took, rss = results[name][count]
                 print(f"measured  {name:<6s} N = {count:5d}: {took:7.1f} s   peak RSS {rss:5.2f} GB", flush=True)
             if args.forward_only:
@@ -194,8 +210,8 @@ def main() -> None:
                 print(f"N = {count:5d} ({how(count)}): time {name} / before = {ta / tb:.2f}x   peak RSS {rb:.2f} GB -> {ra:.2f} GB")
     for count in sizes:
         ta, ra = results["after"][count]
-        if count == 2000:
-            print(f"goal peak RSS <= 2.5 GB at N = 2000 ({how(count)}): {'met' if ra <= 2.5 else 'NOT met'} ({ra:.2f} GB)")
+        if count in (600, 2000):
+            print(f"goal peak RSS <= 2.5 GB at N = {count} ({how(count)}): {'met' if ra <= 2.5 else 'NOT met'} ({ra:.2f} GB)")
         if count == 600 and "before" in results:
             ratio = ta / results["before"][count][0]
             print(f"goal time <= 0.5x at N = 600 ({how(count)}): {'met' if ratio <= 0.5 else 'NOT met'} "

@@ -41,9 +41,10 @@ import math
 import tempfile
 from pathlib import Path
 
-from vitlab.runtime import prepare_process
+from vitlab.runtime import keep_freed_memory, prepare_process
 
-prepare_process()  # (first, as train.py does: OpenMP's spin policy before torch; freed memory reused)
+prepare_process()  # (first, as train.py does: OpenMP's spin policy before torch)
+keep_freed_memory()  # (freed memory reused, as train.py sets it for runs on 3-D volumes)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize(
     "cores, gpu, threads, workers",
-    [(1, False, 1, 0), (2, False, 2, 0), (4, False, 2, 2), (16, False, 14, 2), (2, True, 1, 1), (16, True, 12, 4)],
+    [(1, False, 1, 0), (2, False, 2, 0), (3, False, 1, 2), (4, False, 2, 2), (16, False, 14, 2),
+     (1, True, 1, 1), (2, True, 1, 1), (8, True, 2, 5), (16, True, 4, 11), (64, True, 4, 12)],
 )
 def test_auto_is_decided_by_the_cores_and_the_accelerator(cores, gpu, threads, workers, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     resolved = Runtime().resolved(gpu, cores=cores)
     assert (resolved.threads, resolved.workers, resolved.figures) == (threads, workers, "auto")
+
+
+def test_auto_threads_never_follow_the_workers(monkeypatch):
+    """The thread count changes the numbers, the workers must not: ``threads: auto`` is the same whatever
+    ``workers`` says, on every machine size, with or without a GPU."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores in range(1, 65):
+        for gpu in (False, True):
+            threads = {Runtime(workers=w).resolved(gpu, cores=cores).threads for w in ("auto", 0, 1, 2, 3, 8, 40)}
+            assert len(threads) == 1 and 1 <= next(iter(threads)) <= cores, (cores, gpu, threads)
 
 
 def test_numbers_given_are_kept_and_omp_num_threads_is_the_auto_thread_count(monkeypatch):
@@ -106,6 +118,46 @@ def test_freed_tensor_memory_is_reused_instead_of_faulted_in_again():
     assert faults["kept"] * 8 < faults["system"], faults
 
 
+_RESIDENT = """
+import os
+from vitlab.runtime import keep_freed_memory, prepare_process
+prepare_process()  # what probe.py (and train.py) do first
+import torch
+page = os.sysconf("SC_PAGE_SIZE")
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * page / 2**20
+
+def grown():  # resident MB left by a touched 128 MB tensor once freed
+    before = resident()
+    block = torch.ones(128 << 18)
+    del block
+    return resident() - before
+
+probe = grown()
+kept = keep_freed_memory()  # what train.py adds for a run on 3-D volumes
+print(probe, kept, grown())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, /proc")
+def test_a_process_prepared_as_probe_py_returns_freed_memory_and_a_3d_training_keeps_it():
+    """The resident size after a 128 MB tensor is freed: back where it was in a process prepared as ``probe.py``
+    prepares it (glibc unmaps the block), 128 MB higher once freed memory is kept for reuse."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "VITLAB_MALLOC"))}
+    out = subprocess.run([sys.executable, "-c", _RESIDENT], env={**clean, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout.split()
+    probe, kept, grown = float(out[0]), out[1] == "True", float(out[2])
+    assert kept and probe < 16 and grown > 120, out
+
+
+def test_train_py_keeps_freed_memory_for_3d_volumes_only(monkeypatch):
+    import vitlab.runtime as runtime
+
+    calls = []
+    monkeypatch.setattr(runtime, "keep_freed_memory", lambda: calls.append(1) or True)
+    assert [runtime.prepare_training(sample) for sample in ("volume", "image", "slice", "slab", None)] == [True] + [False] * 4
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"}, {"VITLAB_MALLOC": "system"}])
 def test_keep_freed_memory_leaves_glibc_as_the_user_set_it(env, monkeypatch):
     from vitlab.runtime import keep_freed_memory
@@ -123,7 +175,7 @@ def test_frozen_heap_freezes_survivors_for_the_fit_only():
 
 
 def _fit_outputs(args: list[str]):
-    """The last Q/K/V snapshot and every scalar of a fit: what must not change."""
+    """Every Q/K/V snapshot and every scalar of a fit: what must not change."""
     from tests.training.test_classification import events
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit
@@ -134,17 +186,21 @@ def _fit_outputs(args: list[str]):
     finally:
         torch.set_num_threads(threads)
     run = Path(cli.trainer.log_dir)
-    snapshot, _ = load_snapshot(sorted((run / "qkv").glob("epoch_*.safetensors"))[-1])
+    snapshots = {path.name: load_snapshot(path)[0] for path in sorted((run / "qkv").glob("epoch_*.safetensors"))}
     acc = events(run)
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    return run, snapshot, scalars
+    return run, snapshots, scalars
+
+
+def _same_snapshots(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(x.keys() == b[n].keys() and all(torch.equal(x[k], b[n][k]) for k in x) for n, x in a.items())
 
 
 @pytest.mark.slow
-def test_same_seed_same_numbers_beside_a_busy_process_with_any_workers_and_from_the_saved_config(tiny_dataset, tmp_path, capfd):
+def test_same_seed_same_numbers_beside_a_busy_process_and_from_the_saved_config(tiny_dataset, tmp_path, capfd):
     """Two fits with the same config and seed, one while another process keeps a core busy, give bit-identical
-    snapshots and metrics; so do 0 and 2 loader workers (same threads); the run's config.yaml holds the resolved
-    runtime, and passing it back repeats the run bit for bit."""
+    snapshots and metrics; the run's config.yaml holds the resolved runtime, and passing it back repeats the run
+    bit for bit."""
     from tests.training.test_classification import tiny_args
 
     base = ["--runtime.threads", "2", "--trainer.max_epochs", "2"]
@@ -159,15 +215,7 @@ def test_same_seed_same_numbers_beside_a_busy_process_with_any_workers_and_from_
     finally:
         spinner.kill()
     assert "other processes" not in capfd.readouterr().err
-    assert quiet.keys() == busy.keys() and all(torch.equal(quiet[k], busy[k]) for k in quiet)
-
-    def values(scalars):  # (wall times and the learning rate's step aside, every logged number)
-        return {tag: points for tag, points in scalars.items()}
-
-    assert values(busy_scalars) == values(quiet_scalars)
-
-    _, workers, worker_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "workers", extra=[*base, "--runtime.workers", "2"]))
-    assert all(torch.equal(quiet[k], workers[k]) for k in quiet) and values(worker_scalars) == values(quiet_scalars)
+    assert _same_snapshots(busy, quiet) and busy_scalars == quiet_scalars
 
     again_dir = tmp_path / "again"
     config = quiet_run / "config.yaml"
@@ -175,17 +223,102 @@ def test_same_seed_same_numbers_beside_a_busy_process_with_any_workers_and_from_
     again["trainer"]["logger"]["init_args"]["save_dir"] = str(again_dir)
     (tmp_path / "again.yaml").write_text(yaml.safe_dump(again))
     _, repeated, repeated_scalars = _fit_outputs(["--config", str(tmp_path / "again.yaml")])
-    assert all(torch.equal(quiet[k], repeated[k]) for k in quiet) and values(repeated_scalars) == values(quiet_scalars)
+    assert _same_snapshots(repeated, quiet) and repeated_scalars == quiet_scalars
 
 
-def test_an_old_config_with_data_num_workers_is_told_where_it_moved(tmp_path, capsys):
+@pytest.mark.slow
+def test_loader_workers_never_change_the_numbers(tiny_dataset, tmp_path, capfd, monkeypatch):
+    """The same tiny fit (drop path on: torch's global stream matters) with 0, 1 and 2 loader workers and
+    ``threads: auto`` gives bit-identical snapshots (every epoch) and metrics (every scalar, every step): the
+    thread count does not follow the workers, and the loaders draw their worker seeds from a generator of their
+    own, not the stream drop path draws from."""
+    import json
+
+    from tests.training.test_classification import TINY_SWIN, tiny_args
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    kwargs = json.dumps({**TINY_SWIN["model_kwargs"], "drop_path_rate": 0.2})
+    outputs = []
+    for workers in (0, 1, 2):
+        extra = ["--model.model_kwargs", kwargs, "--runtime.workers", str(workers), "--trainer.max_epochs", "2"]
+        outputs.append(_fit_outputs(tiny_args(tiny_dataset, tmp_path / f"workers{workers}", extra=extra))[1:])
+        assert f"{workers} loader worker(s)" in capfd.readouterr().err
+    (snapshots, scalars), *others = outputs
+    assert len(snapshots) == 3 and len(scalars) > 10
+    for other_snapshots, other_scalars in others:
+        assert _same_snapshots(other_snapshots, snapshots) and other_scalars == scalars
+
+
+def _printed_workers(args: list[str], capsys) -> int:
+    """``runtime.workers`` of the config ``train.py ARGS --print_config`` prints."""
     from vitlab.cli import train_main
 
-    config = tmp_path / "old.yaml"
-    config.write_text("data:\n  num_workers: 2\n")
+    with pytest.raises(SystemExit) as done:
+        train_main([*args, "--print_config"])
+    assert done.value.code in (None, 0)
+    return yaml.safe_load(capsys.readouterr().out)["runtime"]["workers"]
+
+
+def test_an_old_config_key_is_read_as_the_new_one_with_one_warning(tmp_path, capsys):
+    """``data.num_workers`` (before the ``runtime:`` section) in a config file, a flag or a config dict is read as
+    ``runtime.workers``, with one warning naming the new key; given twice with one value, accepted; the command
+    line still overrides a file (later wins)."""
+    from vitlab.cli_support import move_old_keys
+
+    workers = random.randrange(9)
+    old = tmp_path / "old.yaml"
+    old.write_text(f"data:\n  num_workers: {workers}\n  batch_size: 4\n")
+    for args, where in ((["--config", str(old)], f"{old}: data.num_workers"), ([f"--data.num_workers={workers}"], "--data.num_workers")):
+        with pytest.warns(FutureWarning) as warned:
+            assert _printed_workers(args, capsys) == workers
+        messages = [str(w.message) for w in warned if w.category is FutureWarning]
+        assert messages == [f"{where} is read as {'--' if where.startswith('--') else ''}runtime.workers, where it moved; "
+                            "older configs keep working for now, but rename it"]
+    both = tmp_path / "both.yaml"
+    both.write_text(f"data:\n  num_workers: {workers}\nruntime:\n  workers: {workers}\n")
+    with pytest.warns(FutureWarning, match=f"{both}: data.num_workers is read as runtime.workers"):
+        assert _printed_workers(["--config", str(both)], capsys) == workers
+    with pytest.warns(FutureWarning):
+        assert _printed_workers(["--config", str(old), "--runtime.workers", str(workers + 1)], capsys) == workers + 1
+    with pytest.warns(FutureWarning, match="the config: data.num_workers"):
+        moved = move_old_keys({"data": {"num_workers": workers, "root": "x"}, "trainer": {"max_epochs": 1}})
+    assert moved == {"data": {"root": "x"}, "runtime": {"workers": workers}, "trainer": {"max_epochs": 1}}
+    with pytest.warns(FutureWarning):  # an empty runtime: section
+        assert move_old_keys({"data": {"num_workers": workers}, "runtime": None}) == {"data": {}, "runtime": {"workers": workers}}
+
+
+def test_an_old_config_key_that_disagrees_with_the_new_one_is_refused_in_one_line(tmp_path, capsys):
+    from vitlab.cli import train_main
+
+    config = tmp_path / "both.yaml"
+    config.write_text("data:\n  num_workers: 2\nruntime:\n  workers: 1\n")
     with pytest.raises(SystemExit):
         train_main(["--config", str(config)])
-    assert f"vitlab: error: {config}: data.num_workers moved to runtime.workers" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"vitlab: error: {config}: data.num_workers: 2 and runtime.workers: 1 disagree: keep "
+                                       "runtime.workers only (data.num_workers is its name in older configs)\n")
     with pytest.raises(SystemExit):
-        train_main(["--data.num_workers", "2"])
-    assert "--data.num_workers: moved to --runtime.workers" in capsys.readouterr().err
+        train_main(["--data.num_workers", "2", "--runtime.workers=auto"])
+    assert capsys.readouterr().err == ("vitlab: error: --data.num_workers 2 and --runtime.workers auto disagree: give "
+                                       "--runtime.workers only (--data.num_workers is its name in older configs)\n")
+
+
+@pytest.mark.slow
+def test_an_old_config_trains_with_one_warning_line(tiny_dataset, tmp_path):
+    """``python train.py --config old.yaml`` with ``data.num_workers``: trains, one warning line naming the new key;
+    the run's config.yaml holds the new key only."""
+    from tests.training.test_classification import tiny_args
+
+    config = Path(tiny_args(tiny_dataset, tmp_path, epochs=1)[1])
+    cfg = yaml.safe_load(config.read_text())
+    del cfg["runtime"]
+    cfg["data"]["num_workers"] = 1
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    warned = [line for line in run.stderr.splitlines() if "num_workers" in line or line.startswith("vitlab: warning")]
+    assert warned == [f"vitlab: warning: {config}: data.num_workers is read as runtime.workers, where it moved; older "
+                      "configs keep working for now, but rename it"], run.stderr[-3000:]
+    saved = yaml.safe_load((tmp_path / "tiny" / "version_0" / "config.yaml").read_text())
+    assert saved["runtime"]["workers"] == 1 and "num_workers" not in saved["data"]

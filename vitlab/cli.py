@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from vitlab.runtime import Runtime, available_cores, frozen_heap, prepare_process
+from vitlab.runtime import Runtime, available_cores, frozen_heap, prepare_process, prepare_training
 
 prepare_process()  # before torch is imported (by Lightning, below)
 
@@ -36,7 +36,9 @@ class VitlabCLI(LightningCLI):
     - ``data.num_classes`` / ``data.in_chans`` / ``data.class_names`` are linked into the model.
     - ``runtime.threads`` / ``runtime.workers`` / ``runtime.figures`` (:class:`vitlab.runtime.Runtime`): ``auto`` is
       resolved from the cores and the accelerator, printed once and saved resolved in the run's ``config.yaml``; the
-      workers become ``data.num_workers``; a :class:`vitlab.callbacks.RuntimeCallback` runs the figure worker.
+      workers become ``data.num_workers``; a :class:`vitlab.callbacks.RuntimeCallback` runs the figure worker and
+      keeps what a resumed run needs in each checkpoint. Older configs' keys (``data.num_workers``) are read as
+      their new ones with one warning (:func:`vitlab.cli_support.move_old_keys`).
     - Every run lives in ``<save_dir>/<name>/<version>/`` (TensorBoard events, ``config.yaml``,
       ``checkpoints/`` with best + last); resuming from ``.../checkpoints/last.ckpt`` appends to the same
       run folder.
@@ -55,7 +57,10 @@ class VitlabCLI(LightningCLI):
             sys.argv[1:] = cli_support.resolve_config_args(sys.argv[1:])
         elif isinstance(args, list):
             args = cli_support.resolve_config_args(args)
-        cli_support.refuse_moved_keys(sys.argv[1:] if args is None else args)
+        if args is None:
+            sys.argv[1:] = cli_support.move_old_keys(sys.argv[1:])
+        else:
+            args = cli_support.move_old_keys(args)
         super().parse_arguments(parser, args)
 
     def instantiate_classes(self) -> None:
@@ -63,7 +68,8 @@ class VitlabCLI(LightningCLI):
         cli_support.save_recipe(self.trainer, self._recipe)  # config.yaml repeats the run, never re-resumes
         from vitlab.callbacks import RuntimeCallback
 
-        self.trainer.callbacks.append(RuntimeCallback(self.runtime.figures, self.runtime.workers))
+        # first: its epoch-start hook restores a resumed run's random streams before any other callback draws
+        self.trainer.callbacks.insert(0, RuntimeCallback(self.runtime.figures, self.runtime.workers))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -117,6 +123,7 @@ class VitlabCLI(LightningCLI):
         gpu = _trains_on_gpu(self.config.trainer.get("accelerator"))
         self.runtime = Runtime(**self.config.runtime).resolved(gpu)
         self.runtime.apply()
+        prepare_training((self.config.get("data") or {}).get("sample"))  # freed memory kept for 3-D volumes
         self.runtime_line = self.runtime.describe(available_cores(), gpu)  # printed once the run is set up
         self._recipe = cli_support.clean_recipe(self.config)
         self._recipe.runtime.threads, self._recipe.runtime.workers = self.runtime.threads, self.runtime.workers

@@ -6,7 +6,6 @@ module level (``probe.py`` uses the output helpers and must start fast).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import os
@@ -29,7 +28,7 @@ def _shipped_folder() -> Path:
 
 PACKAGE_CONFIGS = _shipped_folder()
 _ALWAYS_KNOWN = {"config", "print_config", "help", "c", "h"}
-MOVED = {"data.num_workers": "runtime.workers"}  # keys of older configs -> where they live now
+MOVED = {"data.num_workers": "runtime.workers"}  # keys of older configs -> where they live now (still read)
 
 
 # ---------------------------------------------------------------------------------------------- shipped configs
@@ -78,29 +77,93 @@ def find_config(value: str) -> str:
         f"({', '.join(str(d) for d in config_dirs()) or 'configs/'}): {', '.join(shipped_configs())}")
 
 
-def refuse_moved_keys(args: list[str] | dict[str, Any]) -> None:
-    """One line for a key of an older config that moved (:data:`MOVED`), in a config dict, a flag or a ``--config`` file."""
+def move_old_keys(args: list[str] | dict[str, Any]) -> list[str] | dict[str, Any]:
+    """``train.py``'s arguments with the keys of older configs (:data:`MOVED`) given as flags or in a config dict
+    moved where they live now, one warning line each; ``--config`` files are read the same way by the parser
+    (:func:`moved_config_text`). Given with the new key in one place and a different value: one-line error."""
+    if isinstance(args, dict):
+        return move_keys(args, "the config")
+    out = list(args)
+    flags = {}
+    for i, token in enumerate(out):
+        name = token.split("=", 1)[0]
+        if name.startswith("--") and (name[2:] in MOVED or name[2:] in MOVED.values()):
+            value = token.split("=", 1)[1] if "=" in token else (out[i + 1] if i + 1 < len(out) else None)
+            flags[name[2:]] = (i, value)
+    for old, new in MOVED.items():
+        if old not in flags:
+            continue
+        i, value = flags[old]
+        if new in flags and _loaded(flags[new][1]) != _loaded(value):
+            raise ValueError(f"--{old} {value} and --{new} {flags[new][1]} disagree: give --{new} only "
+                             f"(--{old} is its name in older configs)")
+        _warn_moved(f"--{old}", f"--{new}")
+        out[i] = f"--{new}" + (f"={value}" if "=" in out[i] else "")
+    return out
+
+
+def move_keys(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """A copy of config dict ``cfg`` with every :data:`MOVED` key it sets moved to its new key (one warning line
+    each, naming ``where`` the old key was); a ``ValueError`` when the new key is also set, to another value."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    for old, new in MOVED.items():
+        *parents, leaf = old.split(".")
+        node = cfg
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        *new_parents, new_leaf = new.split(".")
+        target = cfg
+        for part in new_parents:
+            if target.get(part) is None:  # (absent, or an empty section: ``runtime:``)
+                target[part] = {}
+            target = target[part]
+        if not isinstance(target, dict):
+            continue  # (not a section: the parser says so)
+        value = node.pop(leaf)
+        if new_leaf in target and target[new_leaf] != value:
+            raise ValueError(f"{where}: {old}: {value} and {new}: {target[new_leaf]} disagree: keep {new} only "
+                             f"({old} is its name in older configs)")
+        target[new_leaf] = value
+        _warn_moved(f"{where}: {old}", new)
+    return cfg
+
+
+def moved_config_text(content: str, where: str, loader) -> str:
+    """A config file's text (read by ``loader``, the parser's) with the :data:`MOVED` keys moved (:func:`move_keys`),
+    as JSON; the text itself when it sets none of them."""
+    import json
+
+    if not any(old.rsplit(".", 1)[-1] in content for old in MOVED):
+        return content
+    try:
+        cfg = loader(content)
+    except Exception:  # noqa: BLE001 - the parser reports the file's own error in a moment
+        return content
+    if not isinstance(cfg, dict):
+        return content
+    moved = move_keys(cfg, where)
+    return content if moved == cfg else json.dumps(moved, default=str)
+
+
+def _loaded(value: Any) -> Any:
     import yaml
 
-    sources: list[tuple[str, Any]] = []
-    if isinstance(args, dict):
-        sources.append(("the config", args))
-    else:
-        for i, token in enumerate(args):
-            name = token.split("=", 1)[0]
-            value = token.split("=", 1)[1] if "=" in token else (args[i + 1] if i + 1 < len(args) else None)
-            if name in ("--config", "-c") and value and Path(value).is_file():
-                with contextlib.suppress(yaml.YAMLError):
-                    sources.append((value, yaml.safe_load(Path(value).read_text())))
-            elif name.startswith("--") and name[2:] in MOVED:
-                raise ValueError(f"{name}: moved to --{MOVED[name[2:]]}")
-    for where, cfg in sources:
-        for old, new in MOVED.items():
-            node = cfg
-            for part in old.split("."):
-                node = node.get(part) if isinstance(node, dict) else None
-            if node is not None:
-                raise ValueError(f"{where}: {old} moved to {new} (e.g. runtime: {{{new.split('.', 1)[1]}: {node}}})")
+    try:
+        return yaml.safe_load(value) if isinstance(value, str) else value
+    except yaml.YAMLError:
+        return value
+
+
+def _warn_moved(old: str, new: str) -> None:
+    """One deprecation line (rank 0 only: every rank of a multi-process run parses the same arguments)."""
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) != "0":
+        return
+    warnings.warn(f"{old} is read as {new}, where it moved; older configs keep working for now, but rename it",
+                  FutureWarning, stacklevel=3)
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
@@ -136,9 +199,30 @@ def parser_class() -> type:
     class VitlabArgumentParser(LightningArgumentParser):
         _argv: list[str] | None = None
 
+        _config_path: str | None = None
+
         def parse_args(self, args=None, *rest, **kwargs):  # records argv for error()
             self._argv = list(sys.argv[1:] if args is None else args)
             return super().parse_args(args, *rest, **kwargs)
+
+        def parse_path(self, path, *rest, **kwargs):  # (--config FILE: parse_string of its text follows)
+            self._config_path = str(path)
+            try:
+                return super().parse_path(path, *rest, **kwargs)
+            finally:
+                self._config_path = None
+
+        def parse_string(self, *rest, **kwargs):  # a config's keys of older configs, moved (move_keys)
+            from jsonargparse import get_loader
+
+            key = "content" if "content" in kwargs else None
+            content = kwargs[key] if key else rest[0]
+            content = moved_config_text(content, self._config_path or "--config", get_loader(self.parser_mode))
+            if key:
+                kwargs[key] = content
+            else:
+                rest = (content, *rest[1:])
+            return super().parse_string(*rest, **kwargs)
 
         def error(self, message: str, ex: Exception | None = None):
             if not self.exit_on_error or self._argv is None or os.environ.get("JSONARGPARSE_DEBUG"):

@@ -78,6 +78,9 @@ def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
             repeated = sorted({s for s in steps if steps.count(s) > 1})
             assert tag == "epoch" or not repeated or (tag.startswith("spectra") and repeated == [0]), (tag, steps)
     assert "hp/best_val_acc" in eb.Tags()["scalars"]
+    # the checkpoint holds both ranks' random streams (gathered: every rank's state_dict joins the collective)
+    streams = torch.load(ddp / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["RuntimeCallback"]["rng"]
+    assert len(streams) == 2 and all(s["torch"].dtype == torch.uint8 for s in streams)
     tags = [t for t in ea.Tags()["scalars"] if t.startswith(("drift/", "drift_global/", "spectra/"))]
     assert len(tags) > 50 and set(tags) <= set(eb.Tags()["scalars"])
     for tag in tags:

@@ -1,13 +1,14 @@
-"""RuntimeCallback: the figure worker's whole life in a fit, and the task's validation figures."""
+"""RuntimeCallback: the figure worker's whole life in a fit, the task's validation figures, and what a checkpoint
+must hold for a resumed run to be the run that was never stopped (random streams, figures not yet written)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytorch_lightning as pl
-from lightning_fabric.plugins import CheckpointIO
 
-from vitlab.runtime import FIGURE_MODES, FigureWorker, available_cores
+from vitlab.figure_worker import FIGURE_MODES, FigureWorker
+from vitlab.runtime import available_cores
 
 
 class RuntimeCallback(pl.Callback):
@@ -17,6 +18,21 @@ class RuntimeCallback(pl.Callback):
     they are due (``validation_figures()``, e.g. the confusion matrix), and writes every pending image before
     the logger closes (end of the fit, or an exception). ``train.py`` adds it with the config's
     ``runtime.figures``; the Q/K/V callbacks find its worker through :func:`vitlab.runtime.figure_worker`.
+
+    **Resuming.** Its state in a checkpoint (:meth:`state_dict`) makes a run resumed from it continue as the
+    uninterrupted run did:
+
+    - *the random streams of every rank* (:mod:`vitlab.random_state`; gathered from all ranks, each rank restores
+      its own). They are taken when the checkpoint is, at the end of an epoch, and put back at the start of the
+      first epoch the resumed run trains (or its first batch): between those two points the uninterrupted run
+      draws nothing, while the resumed run draws in between for its own start (the model's initialisation, the
+      loaders' first iterators; its sanity check is isolated by Lightning).
+    - *the figures not yet written* (tag, step and values): the checkpoint is written at once, never held back by
+      a figure worker behind the epochs, and a run resumed from it draws those the killed run had not written
+      to its event files (``written_images``), so every image is there exactly once.
+
+    Before a checkpoint is written the epoch's ``train/*`` metrics and the loggers are flushed
+    (:func:`settle_outputs`): every scalar at or below its step is on disk.
 
     Args:
         figures: ``auto`` (a figure worker process), ``inline`` (in the training process) or ``off``.
@@ -34,6 +50,9 @@ class RuntimeCallback(pl.Callback):
         self._pause = False
         self._epoch_end = False  # between this callback's on_train_epoch_end and the next epoch's start
         self._skipped_files: int | None = None  # data/skipped_files as last logged (rank 0)
+        self._loaded: dict[str, Any] | None = None  # the state of the checkpoint this fit resumes from
+        self._restore_streams = False  # the loaded random streams wait for the first epoch (or batch)
+        self._resumed_done = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or not trainer.is_global_zero:
@@ -49,16 +68,84 @@ class RuntimeCallback(pl.Callback):
         self._skipped_files = log_skipped_files(trainer, None)
         if self.figures != "off" and self.figure_worker is None:
             self.figure_worker = FigureWorker(process=self.figures == "auto")
-            if self.figure_worker.process and type(trainer.strategy).__name__ in ("SingleDeviceStrategy", "DDPStrategy"):
-                # (strategies whose rank 0 writes the whole checkpoint through strategy.checkpoint_io)
-                trainer.strategy.checkpoint_io = SettledCheckpointIO(trainer.strategy.checkpoint_io, self.figure_worker, trainer.loggers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``rng``: every rank's random streams (a collective: Lightning dumps a checkpoint on every rank);
+        ``figures``: the figures handed to the figure worker and not yet written, as plain values."""
+        import torch.distributed as dist
+
+        from vitlab import random_state
+
+        streams = [random_state.capture()]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, streams[0])
+            streams = gathered
+        worker = self.figure_worker
+        pending = worker.pending() if worker is not None else []
+        return {"rng": streams, "figures": [figure_state(tag, step, ordinal, figure) for tag, step, ordinal, figure in pending],
+                "skipped_files": self._skipped_files}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict
+        self._restore_streams = bool(state_dict.get("rng"))
+        logged = state_dict.get("skipped_files")
+        if logged is not None and self._skipped_files is not None:  # (rank 0) the count its points already show
+            self._skipped_files = max(self._skipped_files, int(logged))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.strategy.restore_checkpoint_after_setup:  # (then the checkpoint is loaded by now)
+            self._resumed(trainer)  # (a resumed run with nothing left to train has no train start)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         import torch
 
+        self._resumed(trainer)  # (strategies that load the checkpoint after on_fit_start)
         worker = self.figure_worker
         self._pause = (worker is not None and worker.process and pl_module.device.type == "cpu"
                        and torch.get_num_threads() + self.workers >= available_cores())
+
+    def _resumed(self, trainer: pl.Trainer) -> None:
+        """Once per resumed fit (rank 0), when the checkpoint's state is loaded: say when it holds no random streams;
+        draw the figures it lists that the event files lack."""
+        if self._resumed_done or not trainer.ckpt_path or not trainer.is_global_zero:
+            return
+        self._resumed_done = True
+        loaded = self._loaded or {}
+        if not loaded.get("rng"):
+            print(f"vitlab: {trainer.ckpt_path} holds no random streams (written by an older vitlab): the resumed run's "
+                  "random draws (dropout, drop path) continue from the seed, not where the killed run stopped")
+        self._redraw_figures(trainer, loaded.get("figures") or [])
+
+    def _redraw_figures(self, trainer: pl.Trainer, states: list[dict[str, Any]]) -> None:
+        """Draw the figures the checkpoint lists (not yet written when it was taken) that the event files lack."""
+        from vitlab.outputs.tensorboard import tensorboard_writer, written_images
+
+        writer, worker = tensorboard_writer(trainer), self.figure_worker
+        if not states or writer is None or worker is None:
+            return
+        written = written_images(trainer.logger.log_dir)  # (the worker draws in order: the first n of a tag and step)
+        missing = [state for state in states if state["ordinal"] >= written[(state["tag"], state["step"])]]
+        for state in missing:
+            worker.submit(writer, state["tag"], state["step"], figure_from_state(state), ordinal=state["ordinal"])
+        if missing:
+            steps = sorted({int(state["step"]) for state in missing})
+            print(f"vitlab: drawing {len(missing)} figure(s) of step(s) {', '.join(map(str, steps))} that the checkpoint "
+                  "lists and the stopped run had not written")
+
+    def _restore(self, trainer: pl.Trainer) -> None:
+        """Each rank's random streams as the checkpoint holds them (once, at the first epoch or batch)."""
+        self._restore_streams = False
+        from vitlab import random_state
+
+        streams = self._loaded["rng"]
+        rank, world = trainer.global_rank, trainer.world_size
+        notes = random_state.restore(streams[rank]) if rank < len(streams) else ["not saved: this rank keeps its own"]
+        if trainer.is_global_zero and (len(streams) != world or notes):
+            print(f"vitlab: {trainer.ckpt_path}: random streams of {len(streams)} rank(s) for {world} here"
+                  + (f" (rank(s) {', '.join(map(str, range(len(streams), world)))} keep their own draws)" if world > len(streams) else "")
+                  + (f"; rank 0: {'; '.join(notes)}" if notes else "") + ": the resumed run's random draws differ "
+                  "from an uninterrupted run's")
 
     def _paused(self, paused: bool) -> None:
         if self._pause:
@@ -66,6 +153,8 @@ class RuntimeCallback(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_end = False
+        if self._restore_streams:
+            self._restore(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_end = True  # (runs before the checkpoints: Lightning calls monitoring callbacks last)
@@ -73,6 +162,8 @@ class RuntimeCallback(pl.Callback):
             self._skipped_files = log_skipped_files(trainer, self._skipped_files)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if self._restore_streams:  # resumed within an epoch (a checkpoint saved by steps)
+            self._restore(trainer)
         self._paused(True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -89,15 +180,12 @@ class RuntimeCallback(pl.Callback):
         log_validation_figures(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Before a checkpoint is written, everything it says happened is on disk: a run killed at any moment
-        after it and resumed from it has every point up to its step, and the resumed run writes the rest."""
-        settled = isinstance(trainer.strategy.checkpoint_io, SettledCheckpointIO)  # it waits for the figures itself
-        settle_outputs(trainer, None if settled else self.figure_worker, self._epoch_end)
+        """Before a checkpoint is written, the scalars it covers are on disk (after :meth:`state_dict` listed the
+        figures not yet written): a run killed at any moment after it and resumed from it has every point up to
+        its step, and the resumed run writes the rest."""
+        settle_outputs(trainer, self._epoch_end)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, SettledCheckpointIO):
-            trainer.strategy.checkpoint_io = io.checkpoint_io  # (its writes were waited for by the strategy's teardown)
         self._close(raise_errors=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -114,6 +202,46 @@ class RuntimeCallback(pl.Callback):
                 raise
         finally:
             worker.close()
+
+
+def figure_state(tag: str, step: int, ordinal: int, figure: Any) -> dict[str, Any]:
+    """A figure object (:mod:`vitlab.outputs.figures`) as a checkpoint can hold it (``weights_only`` loading):
+    its image's tag, step and ordinal (images of that tag and step before it), its kind's name and its fields,
+    numpy arrays as tensors (string arrays as lists)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            return value.tolist() if value.dtype.kind in "USO" else torch.from_numpy(np.ascontiguousarray(value))
+        return value.item() if isinstance(value, np.generic) else value
+
+    return {"tag": tag, "step": int(step), "ordinal": int(ordinal), "kind": type(figure).__name__,
+            "fields": {f.name: _map_leaves(getattr(figure, f.name), plain) for f in dataclasses.fields(figure)}}
+
+
+def figure_from_state(state: dict[str, Any]) -> Any:
+    """The figure object of :func:`figure_state` (a kind of :mod:`vitlab.outputs.figures` only)."""
+    import torch
+
+    from vitlab.outputs import figures
+
+    kind = getattr(figures, state["kind"], None)
+    if not (isinstance(kind, type) and issubclass(kind, figures.Figure)):
+        raise ValueError(f"a checkpoint lists a figure of unknown kind {state['kind']!r} (tag {state['tag']})")
+    arrays = lambda value: value.numpy() if isinstance(value, torch.Tensor) else value  # noqa: E731
+    return kind(**{name: _map_leaves(value, arrays) for name, value in state["fields"].items()})
+
+
+def _map_leaves(value: Any, leaf) -> Any:
+    """``leaf`` applied to every value inside dicts, lists and tuples (kept as such)."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(v, leaf) for v in value)
+    return leaf(value)
 
 
 def log_validation_figures(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -152,7 +280,7 @@ def log_skipped_files(trainer: pl.Trainer, logged: int | None) -> int | None:
     return count
 
 
-def settle_outputs(trainer: pl.Trainer, worker: FigureWorker | None, epoch_end: bool) -> None:
+def settle_outputs(trainer: pl.Trainer, epoch_end: bool) -> None:
     """Put on disk what a checkpoint written now covers (all ranks call it: metrics may synchronise);
     ``epoch_end``: the checkpoint is saved in ``on_train_epoch_end``.
 
@@ -160,8 +288,8 @@ def settle_outputs(trainer: pl.Trainer, worker: FigureWorker | None, epoch_end: 
        loggers after the monitoring callbacks' ``on_train_epoch_end``, i.e. after a checkpoint saved there, and a
        run resumed from that checkpoint never logs them again. They are logged now, at the step Lightning
        gives them (its own call then finds nothing left to log).
-    2. Every figure handed to the figure worker: drawn and written (a resumed run does not draw them again).
-    3. Every logger flushed (TensorBoard's writer otherwise writes on its own schedule).
+    2. Every logger flushed (TensorBoard's writer otherwise writes on its own schedule), images the figure worker
+       has written included; those it has not are listed in the checkpoint (:class:`RuntimeCallback`).
     """
     if epoch_end and trainer.training:
         loop = trainer.fit_loop.epoch_loop
@@ -170,87 +298,5 @@ def settle_outputs(trainer: pl.Trainer, worker: FigureWorker | None, epoch_end: 
             trainer._logger_connector.update_train_epoch_metrics()
         finally:
             loop._batches_that_stepped += 1
-    if worker is not None:
-        worker.flush()
     for logger in trainer.loggers:
         logger.save()
-
-
-class SettledCheckpointIO(CheckpointIO):
-    """Writes a checkpoint only once every figure handed to the figure worker before it is in the event file.
-
-    When figures are still being drawn, the checkpoint's tensors are copied at once and the file is written by a
-    thread after them, so training goes on meanwhile (a figure set takes seconds to draw); a run killed before
-    the file exists resumes from the previous checkpoint and draws the set again. Removals wait for the writes
-    before them; the strategy's teardown waits for all (``teardown``). Installed by :class:`RuntimeCallback`.
-    """
-
-    def __init__(self, checkpoint_io: CheckpointIO, worker: FigureWorker, loggers: list) -> None:
-        super().__init__()
-        self.checkpoint_io, self.worker, self.loggers = checkpoint_io, worker, loggers
-        self._executor = None
-        self._writes: list = []  # (figures it waits for, future)
-        self._error: BaseException | None = None
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        self._raise_error()
-        count = self.worker.submitted
-        if self._executor is None and self.worker.written >= count:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        import torch
-        from lightning_utilities.core.apply_func import apply_to_collection
-
-        for mark, future in self._writes:  # at most one epoch's checkpoints wait: figures slower than epochs block here
-            if mark < count:
-                future.result()
-        self._writes = [(mark, future) for mark, future in self._writes if not future.done()]
-        # a copy in host memory taken now, before training goes on (not on the GPU: it may have no room for it)
-        copy = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
-
-        def write() -> None:
-            self.worker.wait_written(count)
-            for logger in self.loggers:
-                logger.save()  # (flushes TensorBoard's writer: the images are on disk before the checkpoint)
-            self.checkpoint_io.save_checkpoint(copy, path, storage_options=storage_options)
-
-        self._writes.append((count, self._submit(write)))
-
-    def remove_checkpoint(self, path: Any) -> None:
-        if self._executor is None:
-            self.checkpoint_io.remove_checkpoint(path)
-        else:
-            self._submit(lambda: self.checkpoint_io.remove_checkpoint(path))
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._drain()
-        return self.checkpoint_io.load_checkpoint(*args, **kwargs)
-
-    def teardown(self) -> None:
-        self._drain()
-        self.checkpoint_io.teardown()
-
-    def _submit(self, task):
-        if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitlab-checkpoint")
-
-        def run() -> None:
-            try:
-                task()
-            except BaseException as exc:  # noqa: BLE001  (raised in the training process at the next call)
-                self._error = self._error or exc
-
-        return self._executor.submit(run)
-
-    def _drain(self) -> None:
-        executor, self._executor, self._writes = self._executor, None, []
-        if executor is not None:
-            executor.shutdown(wait=True)
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error

@@ -350,6 +350,9 @@ class ImageData:
         return DataLoader(
             dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
+            # worker seeds from a generator of the loader's own, not torch's global stream: 0 workers (an iterator
+            # per epoch) and persistent workers (one) then leave the same draws for the model's dropout / drop path
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_dataloader(self) -> DataLoader:

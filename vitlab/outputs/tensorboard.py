@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -150,3 +151,23 @@ def write_layout_once(trainer: Any) -> None:
 
         writer._get_file_writer().add_summary(custom_scalars(layout), logging_step(trainer))
     writer._vitlab_layout_written = True
+
+
+def written_images(log_dir: str | os.PathLike) -> Counter[tuple[str, int]]:
+    """How many images of each ``(tag, step)`` the event files of ``log_dir`` hold, as TensorBoard reads them back:
+    a resumed writer's restart marker (its ``purge_step``) drops the images at that step or later written before
+    it; a record cut short by a kill ends its file."""
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+
+    images: Counter[tuple[str, int]] = Counter()
+    for path in sorted(Path(log_dir).glob("events.out.tfevents.*")):  # (the names begin with the time they were opened)
+        for event in LegacyEventFileLoader(str(path)).Load():  # (as written: the other loader migrates images to tensors)
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                images = Counter({key: n for key, n in images.items() if key[1] < event.step})
+            for value in event.summary.value:
+                if value.HasField("image"):
+                    images[(value.tag, event.step)] += 1
+    return images

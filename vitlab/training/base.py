@@ -110,6 +110,12 @@ class TaskModule(pl.LightningModule):
             best = self.best_val.get(name)
             self.best_val[name] = value if best is None else max(best, value)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["best_val"] = dict(self.best_val)  # a resumed run's hparams table is the uninterrupted run's
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.best_val = {str(k): float(v) for k, v in (checkpoint.get("best_val") or {}).items()}
+
     def validation_figures(self) -> dict[str, Any]:
         """Figures of the last validation (tag -> :mod:`vitlab.outputs.figures` object), drawn by the run's
         :class:`vitlab.callbacks.RuntimeCallback` when figures are due; none by default."""
@@ -122,7 +128,9 @@ class TaskModule(pl.LightningModule):
         metrics = {f"hp/best_val_{k}": v for k, v in self.best_val.items()}
         from vitlab.outputs.tensorboard import logging_step
 
-        step = max(logging_step(self.trainer) - 1, 0)  # the last epoch's step: a resumed run adds a point, not a duplicate
+        # the step a run resumed from the last checkpoint starts at: its TensorBoard writer drops what a run killed after
+        # that checkpoint logged there, so a resumed run that has nothing left to train logs this once again, not twice
+        step = logging_step(self.trainer)
         for logger in self.loggers:
             logger.log_hyperparams(dict(self.hparams), metrics=metrics, step=step)
 
