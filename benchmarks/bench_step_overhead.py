@@ -11,7 +11,8 @@ own process, one after the other, ``--repeats`` times (the fastest of each repor
    cross-entropy, forward + backward + step on one random batch held in memory;
 2. ``vitlab.cli.fit`` on the quickstart's embedded data (images prescaled to 16 px, ``augment: none``, decoded
    images cached in memory), with the quickstart's callbacks (Q/K/V snapshot, drift, spectra, learning-rate
-   monitor), two checkpointers, the run-time callback, TensorBoard logging every 5 steps and the progress bar.
+   monitor), two checkpointers, the run-time callback, TensorBoard logging every 5 steps and the progress bar;
+   ``--workers``: loader worker processes (0: batches made in the training process).
 
 It prints the median time per step of each (the fit's step: from one ``on_train_batch_start`` to the next, in the
 second epoch, so epoch ends and the first steps are left out), the difference (vitlab's cost per step), and that
@@ -115,12 +116,12 @@ def run(code: str, args: list[str]) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def fit_config(save_dir: Path, steps: int, threads: int) -> Path:
+def fit_config(save_dir: Path, steps: int, threads: int, workers: int = 0) -> Path:
     import yaml
 
     cfg = {
         "seed_everything": 0,
-        "runtime": {"threads": threads, "workers": 0, "figures": "auto"},
+        "runtime": {"threads": threads, "workers": workers, "figures": "auto"},
         "trainer": {
             "max_epochs": 2, "limit_train_batches": steps + 10, "limit_val_batches": 0, "accelerator": "cpu", "devices": 1,
             "log_every_n_steps": 5, "enable_model_summary": False,
@@ -128,7 +129,7 @@ def fit_config(save_dir: Path, steps: int, threads: int) -> Path:
                        "init_args": {"save_dir": str(save_dir), "name": "overhead", "default_hp_metric": False}},
             "callbacks": [{"class_path": "__main__.StepTimer"}, {"class_path": "vitlab.callbacks.QKVSnapshot"},
                           {"class_path": "vitlab.callbacks.QKVDrift"}, {"class_path": "vitlab.callbacks.QKSpectra"},
-                          {"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "step"}}],
+                          {"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "epoch"}}],
         },
         "model": {**MODEL, "lr": 1e-3},
         "data": {"root": None, "embedded_kwargs": {"patients": 96, "size": 64}, "image_size": 16, "batch_size": BATCH,
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per side (default 200)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; the fastest is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
+    parser.add_argument("--workers", type=int, default=0, help="vitlab's loader workers (default 0: batches made in the "
+                        "training process, as the CPU quickstart does; 1: in a worker, as beside a GPU)")
     args = parser.parse_args()
     bare_runs, fit_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,17 +154,19 @@ def main() -> None:
             bare_runs.append(run(BARE, [str(args.steps), str(args.threads), json.dumps(MODEL), str(BATCH)]))
             save_dir = Path(tmp) / f"run{repeat}"
             save_dir.mkdir()
-            fit_runs.append(run(FIT, ["--config", str(fit_config(save_dir, args.steps, args.threads)),
+            fit_runs.append(run(FIT, ["--config", str(fit_config(save_dir, args.steps, args.threads, args.workers)),
                                       "--trainer.logger.init_args.save_dir", str(save_dir)]))
     bare = min(r["step_s"] for r in bare_runs)
     best = min(fit_runs, key=lambda r: r["step_s"])
     diff = best["step_s"] - bare
-    print(f"tiny ViT (embed 16, 1 block, 16 px, batch {BATCH}), {args.threads} torch thread(s), {best['steps']} steps, "
+    print(f"tiny ViT (embed 16, 1 block, 16 px, batch {BATCH}), {args.threads} torch thread(s), {args.workers} loader worker(s), "
+          f"{best['steps']} steps, "
           f"fastest of {args.repeats}:")
     print(f"  bare loop        : {bare * 1e3:6.2f} ms/step (forward, backward, AdamW on a batch in memory)")
     print(f"  vitlab fit       : {best['step_s'] * 1e3:6.2f} ms/step (median, from one batch start to the next)")
     print(f"  difference       : {diff * 1e3:6.2f} ms/step  (goal <= 2 ms)")
-    print(f"    batch fetch    : {best['fetch_s'] * 1e3:6.2f} ms (loader in the training process: read from memory, collate)")
+    where = "from the worker" if args.workers else "in the training process: read from memory, collate"
+    print(f"    batch fetch    : {best['fetch_s'] * 1e3:6.2f} ms ({where})")
     print(f"    step - bare    : {(best['inside_s'] - bare) * 1e3:6.2f} ms (training_step, backward, optimizer, per-step hooks)")
     rest = best["step_s"] - best["inside_s"] - best["fetch_s"]
     print(f"    rest           : {rest * 1e3:6.2f} ms (Lightning's loop, logging every 5 steps, progress bar)")
