@@ -110,14 +110,16 @@ COUNTER = f"{__name__}.SyncCounter"
 def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset, tmp_path):
     from tests.training.test_classification import tiny_args
 
-    cli = fit(_first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1), COUNTER))
+    limits = ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
+    cli = fit(_first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=limits), COUNTER))
     counter = _counter(cli)
-    assert counter.steps >= 4  # training and validation steps were watched
+    assert counter.steps >= 4  # the 3 training steps and the validation steps were watched
     assert counter.calls == []
     # the metrics still saw every sample once (they get them at the epoch's end)
     assert "val/auroc" in cli.trainer.callback_metrics
 
 
+@pytest.mark.slow
 def test_segmentation_training_steps_make_no_synchronisation_of_their_own(tmp_path, monkeypatch):
     from tests.training.test_dense import dense_args
 
@@ -128,6 +130,7 @@ def test_segmentation_training_steps_make_no_synchronisation_of_their_own(tmp_pa
     assert counter.calls == []
 
 
+@pytest.mark.slow
 def test_the_counter_sees_a_synchronisation_made_in_vitlab(tiny_dataset, tmp_path, monkeypatch):
     """The counter is live: a planted ``.item()`` in the classification step is reported, with its place."""
     from tests.training.test_classification import tiny_args
