@@ -1,7 +1,7 @@
 """vitlab on one GPU against a bare bf16 loop of the same model, side by side on the same machine.
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
-                                   [--variants callbacks nocallbacks compile deterministic] [--out DIR]
+                                   [--variants nocallbacks gpuspectra compile nondeterministic] [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
 
 What it runs (about 5 minutes on one H100 / H200):
@@ -22,7 +22,8 @@ What it runs (about 5 minutes on one H100 / H200):
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
    start, the seconds the epoch's checkpoints take, and the peak GPU memory.
 4. **Variants** (``--variants``): ``nocallbacks`` the same ViT run without the Q/K/V callbacks (the difference in
-   epoch time is their whole cost, the GPU's share included); ``compile`` with ``model.compile: true``;
+   epoch time is their whole cost, the GPU's share included); ``gpuspectra`` with the QK spectra's eigenproblems
+   solved on the GPU (``QKSpectra(device="weights")``) instead of the host's cores; ``compile`` with ``model.compile: true``;
    ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``.
 
 It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
@@ -276,6 +277,8 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
     callbacks = [{"class_path": "__main__.EpochTimer"}]  # (first: its epoch-end hook runs before the others')
     if variant != "nocallbacks":
         callbacks += [{"class_path": f"vitlab.callbacks.{name}"} for name in ("QKVSnapshot", "QKVDrift", "QKSpectra")]
+    if variant == "gpuspectra":  # the eigenproblems on the GPU instead of the host's cores
+        callbacks[-1]["init_args"] = {"device": "weights"}
     callbacks.append({"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "epoch"}})
     return args + ["--trainer.callbacks", json.dumps(callbacks)]
 
@@ -310,8 +313,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs per vitlab run; the first is left out (default 3)")
     parser.add_argument("--train-images", type=int, default=5120, help="ViT training slices (a quarter more for validation)")
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
-    parser.add_argument("--variants", nargs="*", default=["nocallbacks", "compile", "nondeterministic"],
-                        choices=["nocallbacks", "compile", "nondeterministic"], help="runs beside the default ones")
+    parser.add_argument("--variants", nargs="*", default=["nocallbacks", "gpuspectra", "compile", "nondeterministic"],
+                        choices=["nocallbacks", "gpuspectra", "compile", "nondeterministic"], help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
     args = parser.parse_args()
