@@ -26,8 +26,9 @@ import numpy as np
 import pydicom
 
 from vitlab.data import read_volume
-from vitlab.data.synthetic_volumes import INTERCEPT_HU, write_nifti, write_series
-from vitlab.data.volume import LPS_TO_RAS
+from vitlab.data.readers.volume import LPS_TO_RAS
+from vitlab.data.synthetic.phantom import INTERCEPT_HU
+from vitlab.data.synthetic.volumes import write_nifti, write_series
 
 
 def ct_like(size: int, slices: int, seed: int = 0) -> np.ndarray:

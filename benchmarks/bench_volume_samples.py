@@ -1,6 +1,6 @@
 """Slab sampling from volumes against slice sampling of 2-D files, on the same data, side by side in one run.
 
-The synthetic CT patients of :func:`vitlab.data.synthetic_volumes.generate_volumes` are written as NIfTI volumes
+The synthetic CT patients of :func:`vitlab.data.synthetic.volumes.generate_volumes` are written as NIfTI volumes
 and as DICOM series (one 2-D file per slice). One training epoch (augmentation ``light``, loader in this process,
 no memory cache, so every epoch decodes) is timed for:
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from vitlab.data.image_data import ImageData
-from vitlab.data.synthetic_volumes import generate_volumes
+from vitlab.data.synthetic import generate_volumes
 
 
 def slice_manifest(root: Path) -> Path:

@@ -18,7 +18,7 @@ from tests.training.test_classification import tiny_args
 from vitlab import cli_support
 from vitlab.cli import fit, probe_main, train_main
 from vitlab.data import MedicalDataModule
-from vitlab.data.embedded import EmbeddedOptions
+from vitlab.data.synthetic.embedded import EmbeddedOptions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_embedded_options_reach_the_generator_as_ints(monkeypatch):
         seen.update(kwargs)
         raise Stop
 
-    monkeypatch.setattr("vitlab.data.synthetic.embedded_dataset", record)
+    monkeypatch.setattr("vitlab.data.synthetic.embedded.embedded_dataset", record)
     with pytest.raises(Stop):
         MedicalDataModule(embedded_kwargs=EmbeddedOptions(patients=24, size=32))
     assert seen["patients"] == 24 and seen["size"] == 32

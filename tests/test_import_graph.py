@@ -235,6 +235,14 @@ def test_family_modules_import_neither_each_other_nor_the_registry(graph):
     assert not wrong, "family modules import only the shared bases:\n" + "\n".join(map(str, wrong))
 
 
+def test_the_data_layer_imports_no_training_outputs_or_probes(graph):
+    """Data knows nothing of TensorBoard, the trainer's callbacks, the tasks or the probes: they use the data."""
+    above = ("vitlab.outputs", "vitlab.callbacks", "vitlab.training", "vitlab.probes", "vitlab.runtime", "vitlab.cli")
+    wrong = [edge for module, edges in sorted(graph.items()) if module.startswith("vitlab.data")
+             for edge in edges if edge.target.startswith(above)]
+    assert not wrong, "vitlab.data imports what is built on it:\n" + "\n".join(map(str, wrong))
+
+
 def test_the_graph_sees_every_kind_of_import(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)

@@ -9,12 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import cv2
 import pytest
 import torch
 import yaml
 
-from vitlab.data.transforms import seed_worker
 from vitlab.runtime import Runtime, frozen_heap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +47,12 @@ def test_bad_values_are_refused_in_one_line(kwargs, message):
     assert str(error.value) == message
 
 
-def test_apply_sets_torch_threads_and_one_opencv_thread():
+def test_apply_sets_torch_threads():
+    """(OpenCV's one thread is the data loaders': tests/data/test_transforms.py.)"""
     before = torch.get_num_threads()
     try:
         Runtime(threads=1).apply()
-        assert torch.get_num_threads() == 1 and cv2.getNumThreads() == 1
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
@@ -114,26 +113,6 @@ def test_keep_freed_memory_leaves_glibc_as_the_user_set_it(env, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert keep_freed_memory() is False
-
-
-class _CV2Threads(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 2
-
-    def __getitem__(self, index: int) -> int:
-        return cv2.getNumThreads()
-
-
-def test_loader_workers_run_opencv_on_one_thread():
-    before = cv2.getNumThreads()
-    cv2.setNumThreads(3)  # what a forked worker inherits
-    try:
-        loader = torch.utils.data.DataLoader(_CV2Threads(), batch_size=1, num_workers=1, worker_init_fn=seed_worker)
-        assert [int(b) for b in loader] == [1, 1]
-        control = torch.utils.data.DataLoader(_CV2Threads(), batch_size=1, num_workers=1)
-        assert [int(b) for b in control] == [3, 3]
-    finally:
-        cv2.setNumThreads(before)
 
 
 def test_frozen_heap_freezes_survivors_for_the_fit_only():

@@ -153,18 +153,12 @@ class Runtime:
         return Runtime(threads, workers, self.figures)
 
     def apply(self) -> None:
-        """torch on ``threads`` threads (resolved); OpenCV (albumentations' backend) on one: its own pool of a
-        thread per core would compete with torch's, and it does not survive a fork into loader workers."""
+        """torch on ``threads`` threads (resolved). (OpenCV runs on one thread in every process that loads data:
+        :func:`vitlab.data.transforms.single_opencv_thread`, made by the loaders.)"""
         import torch
 
         if isinstance(self.threads, int) and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        try:
-            import cv2
-
-            cv2.setNumThreads(1)
-        except ImportError:  # pragma: no cover - albumentations brings OpenCV
-            pass
 
     def describe(self, cores: int, gpu: bool) -> str:
         where = {"auto": "by a figure worker process", "inline": "in the training process", "off": "off"}[self.figures]

@@ -7,7 +7,6 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import albumentations as A
 import numpy as np
@@ -16,11 +15,11 @@ import torch
 from PIL import Image
 from pydicom.data import get_testdata_file
 
-import vitlab.data.dataset as dataset_module
-import vitlab.data.dicom as dicom_module
-import vitlab.data.io as io_module
+import vitlab.data.datasets.images as dataset_module
+import vitlab.data.readers.dicom as dicom_module
+import vitlab.data.readers.image as io_module
 from vitlab.data import MedicalDataModule, SkippedFileWarning, read_image
-from vitlab.data.io import ImageReadError
+from vitlab.data import ImageReadError
 from vitlab.data.layouts import patient_overlap
 
 TRUNCATED = get_testdata_file("MR_truncated.dcm", download=False)
@@ -38,14 +37,6 @@ def png_folders(root: Path, per_class: int = 6, size: int = 16) -> Path:
 def module(root, **kwargs) -> MedicalDataModule:
     defaults = dict(image_size=32, batch_size=4, num_workers=0, augment="none", val_fraction=0.25)
     return MedicalDataModule(root=str(root), **{**defaults, **kwargs})
-
-
-class RecordingLogger:
-    def __init__(self):
-        self.calls = []
-
-    def log_metrics(self, metrics, step=None):
-        self.calls.append((metrics, step))
 
 
 def test_attributes_exist_after_init_without_decoding(tiny_dataset, monkeypatch):
@@ -118,9 +109,8 @@ def test_user_transforms_get_resize_and_normalize_appended(tmp_path):
 
 
 def _epoch_batches(dm, epoch: int) -> list[torch.Tensor]:
-    dm.trainer = None
     loader = dm.train_dataloader()
-    loader.sampler._iterations = epoch  # (outside a trainer the sampler counts its epochs)
+    loader.sampler.set_epoch(epoch)  # (as Lightning does before every training epoch)
     return [images for images, _ in loader]
 
 
@@ -233,19 +223,37 @@ def test_manifest_split_column_is_used_and_leaks_are_warned(tiny_dataset, tmp_pa
     assert len(dm.samples("val")) == 16 and len(dm.samples("train")) == 16
 
 
-def test_bad_files_are_skipped_counted_and_logged(tmp_path):
+def test_bad_files_are_skipped_and_counted(tmp_path):
+    """(``data/skipped_files`` logs the count: tests/callbacks/test_runtime.py.)"""
     root = png_folders(tmp_path / "data")
     shutil.copy(TRUNCATED, root / "benign" / "broken.dcm")
     with pytest.raises(ImageReadError, match="broken.dcm"):
         module(root, on_bad_file="error").setup("fit")
     dm = module(root)
-    logger = RecordingLogger()
-    dm.trainer = SimpleNamespace(loggers=[logger])
     with pytest.warns(SkippedFileWarning, match="broken.dcm: truncated"):
         dm.setup("fit")
     assert dm.skipped_files == 1
-    assert logger.calls == [({"data/skipped_files": 1.0}, 0)]
     assert all(s.path.name != "broken.dcm" for split in ("train", "val") for s in dm.samples(split))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_files_failing_at_decode_in_loader_workers_are_counted_here(tmp_path, workers):
+    """A file whose header reads but whose pixels do not is skipped by whichever process loads it; the data module
+    counts it, loaded in this process or in a loader worker, once however many workers and epochs met it."""
+    root = png_folders(tmp_path / "data")
+    cut = []
+    for path in (root / "benign" / "0.png", root / "malignant" / "3.png"):
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])  # header intact, pixels cut
+        cut.append(str(path))
+    dm = module(root, val_fraction=0.0, num_workers=workers)
+    dm.setup("fit")
+    assert dm.skipped_files == 0 and dm.bad_paths == set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedFileWarning)  # (the workers' own warnings go to their stderr)
+        for _ in range(2):
+            assert sum(len(labels) for _, labels in dm.train_dataloader()) == 12
+    assert dm.bad_paths == set(cut) and dm.skipped_files == 2
 
 
 def test_file_failing_only_at_decode_is_replaced_with_a_warning(tmp_path):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitlab.data.dense import DenseDataset, MaskError, boxes_of, dense_collate, instances
+from vitlab.data.datasets.targets import DenseDataset, dense_collate
+from vitlab.data.masks import MaskError, boxes_of, instances
 from vitlab.data.datamodule import DenseDataModule
-from vitlab.data.io import ImageReadError
+from vitlab.data import ImageReadError
 from vitlab.data.layouts import Sample, SkippedFileWarning
 
 NORM = A.Normalize(mean=(0.0,), std=(1.0,), max_pixel_value=1.0)

@@ -1,6 +1,6 @@
 """The data module's reader and ``read_image`` are one function over a generated corpus of broken DICOM.
 
-:class:`~vitlab.data.io.ImageReader` reads uncompressed little-endian grayscale files with one ``np.fromfile``
+:class:`~vitlab.data.readers.image.ImageReader` reads uncompressed little-endian grayscale files with one ``np.fromfile``
 (the fast path) and everything else through pydicom like ``read_image``. Over every file of the corpus (small,
 ≤ 32 px, generated here with pydicom and then damaged the way devices and tools damage files) both must give the
 same array, bit for bit, or the same one-line :class:`ImageReadError`.
@@ -29,13 +29,8 @@ from pydicom.uid import (
     generate_uid,
 )
 
-from vitlab.data.io import (
-    ImageReader,
-    ImageReadError,
-    ReadOptions,
-    header_info,
-    read_image,
-)
+from vitlab.data import ImageReader, ImageReadError, ReadOptions, read_image
+from vitlab.data.readers.image import header_info
 
 SYNTAXES = {  # transfer syntax -> (implicit VR, little endian) of the data set
     ExplicitVRLittleEndian: (False, True),

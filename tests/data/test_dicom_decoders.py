@@ -19,8 +19,9 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_color_lut, apply_modality_lut, pixel_array
 from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
-from vitlab.data.io import ImageReader, ImageReadError, ReadOptions, header_info, read_image
-from vitlab.data.read_options import min_max
+from vitlab.data import ImageReader, ImageReadError, ReadOptions, read_image
+from vitlab.data.readers.image import header_info
+from vitlab.data.readers.window import min_max
 
 FOLDER = Path(get_testdata_file("CT_small.dcm", download=False)).parent  # never the network
 BROKEN_STREAM = "JPEG2000-embedded-sequence-delimiter.dcm"  # a corrupt J2K codestream: no decoder reads it

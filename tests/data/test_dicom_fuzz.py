@@ -24,7 +24,8 @@ from pydicom.tag import Tag
 from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 from vitlab.data import MedicalDataModule, SkippedFileWarning
-from vitlab.data.io import ImageReader, ImageReadError, ReadOptions, header_info, read_image
+from vitlab.data import ImageReader, ImageReadError, ReadOptions, read_image
+from vitlab.data.readers.image import header_info
 
 FOLDER = Path(get_testdata_file("CT_small.dcm", download=False)).parent  # never the network
 

@@ -1,4 +1,4 @@
-"""vitlab.data.io: DICOM radiology chain, raster files and one-line errors, on pydicom's real test files."""
+"""vitlab.data.readers.image and .dicom: DICOM radiology chain, raster files and one-line errors, on pydicom's real test files."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from pydicom.data import get_testdata_file
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
 from pydicom.uid import JPEGLSLossless
 
-from vitlab.data.dicom import native_plan
-from vitlab.data.io import (
+from vitlab.data import (
     WINDOW_PRESETS,
     ImageNotFoundError,
     ImageReader,
     ImageReadError,
     ReadOptions,
-    header_info,
     modality_values,
     read_image,
 )
+from vitlab.data.readers.dicom import native_plan
+from vitlab.data.readers.image import header_info
 
 
 def pydicom_file(name: str) -> str:
@@ -239,13 +239,13 @@ def test_truncated_dicom_is_caught_by_header_check_and_decoder():
 
 def test_every_compressed_syntax_has_an_installed_decoder():
     """vitlab installs its decoders (setup.cfg): none of the syntaxes it names packages for lacks one."""
-    from vitlab.data.dicom import DECODER_PACKAGES
+    from vitlab.data.readers.dicom import DECODER_PACKAGES
 
     assert [uid for uid in DECODER_PACKAGES if not get_decoder(uid).is_available] == []
 
 
 def test_jpeg_ls_without_decoder_names_the_packages(monkeypatch):
-    import vitlab.data.dicom as dicom_module
+    import vitlab.data.readers.dicom as dicom_module
 
     real = dicom_module.get_decoder
     unavailable = type("Unavailable", (), {"is_available": False})()

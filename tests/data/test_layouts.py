@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from pydicom.data import get_testdata_file
 
-from vitlab.data.io import ImageReadError
+from vitlab.data import ImageReadError
 from vitlab.data.layouts import Sample, SkippedFileWarning, check_files, patient_overlap, scan, split_by_patient
 
 CT = get_testdata_file("CT_small.dcm", download=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vitlab.data.dataset import integer_downscale
+from vitlab.data.datasets.images import integer_downscale
 
 
 @pytest.mark.parametrize("shape,target,factor", [((512, 500, 1), 224, 2), ((700, 900, 3), 100, 7), ((300, 300, 1), 224, 1), ((64, 64, 1), 64, 1)])

@@ -16,7 +16,7 @@ from nibabel.processing import resample_from_to
 from scipy.ndimage import map_coordinates
 
 from vitlab.data.resample import crop_at, crop_or_pad, resample
-from vitlab.data.volume import Volume
+from vitlab.data.readers.volume import Volume
 
 
 def oblique_affine(rng: np.random.Generator, spacing) -> np.ndarray:

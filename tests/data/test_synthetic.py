@@ -15,8 +15,7 @@ from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian
 from scipy import ndimage
 
 from vitlab.data import embedded_dataset, generate, modality_values, read_image
-from vitlab.data import synthetic
-from vitlab.data.synthetic import main
+from vitlab.data.synthetic import main, slices
 
 SMALL = dict(patients=4, slices=4, size=48)
 
@@ -148,7 +147,7 @@ def test_embedded_dataset_is_cached_and_atomic(tmp_path, monkeypatch):
 
 def test_embedded_dataset_losing_the_race_uses_the_winner(tmp_path, monkeypatch):
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path))
-    real_generate = synthetic.generate
+    real_generate = slices.generate
 
     @functools.wraps(real_generate)
     def generate_while_another_process_wins(out, **kwargs):
@@ -158,7 +157,7 @@ def test_embedded_dataset_losing_the_race_uses_the_winner(tmp_path, monkeypatch)
         (winner / "winner.txt").write_text("first")
         return manifest
 
-    monkeypatch.setattr(synthetic, "generate", generate_while_another_process_wins)
+    monkeypatch.setattr(slices, "generate", generate_while_another_process_wins)
     manifest = embedded_dataset(patients=2, slices=2, size=32)
     assert (manifest.parent / "winner.txt").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == [manifest.parent.name]  # loser's copy removed

@@ -21,7 +21,7 @@ from pydicom.uid import JPEG2000Lossless, JPEGLSLossless, RLELossless
 
 from vitlab.data import ImageReadError, Volume, VolumeError, generate_volumes, read_volume
 from vitlab.data.synthetic import main as synthetic_main
-from vitlab.data.synthetic_volumes import write_enhanced, write_nifti, write_series
+from vitlab.data.synthetic.volumes import write_enhanced, write_nifti, write_series
 
 SHAPE = (20, 16, 7)  # (I columns, J rows, K slices): unequal, so that a swapped axis shows
 

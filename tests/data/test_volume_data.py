@@ -15,10 +15,12 @@ import torch
 
 from vitlab.data.image_data import ImageData
 from vitlab.data.layouts import Sample
-from vitlab.data.read_options import ReadOptions, VolumeError
+from vitlab.data import ReadOptions, VolumeError
 from vitlab.data.sampling import EpochSampler
-from vitlab.data.synthetic_volumes import generate_volumes
-from vitlab.data.volume_data import VolumeOptions, VolumeStore, check_volumes
+from vitlab.data.synthetic import generate_volumes
+from vitlab.data.datasets.slices import VolumeStore
+from vitlab.data.volume_layouts import check_volumes
+from vitlab.data.volume_options import VolumeOptions
 
 AFFINE = np.array([[0.8, 0.1, 0, -20], [0, 0.7, 0.2, 5], [0, 0, 2.5, 30], [0, 0, 0, 1]])  # non-diagonal
 
@@ -55,7 +57,7 @@ def test_slab_channels_are_the_neighbouring_slices_with_ends_repeated(tmp_path):
     rng = np.random.default_rng(0)
     array = rng.uniform(-100, 1100, (16, 12, 6)).astype(np.float32)
     path = nifti(tmp_path / "v.nii.gz", array)
-    store = VolumeStore(VolumeOptions("slab", 2), ReadOptions(window_center=500, window_width=1000), capacity=1)
+    store = VolumeStore(VolumeOptions("slab", 2, volumes_in_memory=1), ReadOptions(window_center=500, window_width=1000))
     for k in range(6):
         slab = store.image(Sample(path, "a", slice=k))  # (J, I, 5)
         assert slab.shape == (12, 16, 5)
@@ -119,7 +121,7 @@ def test_the_store_holds_a_bounded_number_of_volumes_and_reads_each_once_per_epo
         assert data.volumes.decodes == (epoch + 1) * len(train_volumes)  # once per epoch, whatever the order
     assert data.volumes.most_held == 2
     # without blocks a shuffled slice order would reread volumes: the bound is what the block order buys
-    unordered = VolumeStore(data.volume_options, data.read_options, capacity=2)
+    unordered = VolumeStore(data.volume_options, data.read_options)  # (volumes_in_memory 2)
     samples = data.samples("train")
     for i in torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist():
         unordered.image(samples[i])
@@ -128,7 +130,8 @@ def test_the_store_holds_a_bounded_number_of_volumes_and_reads_each_once_per_epo
 
 def test_block_order_is_a_seeded_permutation_visiting_groups_block_by_block():
     groups = [g for g in range(7) for _ in range(3 + g % 2)]
-    sampler = EpochSampler(len(groups), seed=3, groups=groups, block=2, epoch_of=lambda: 0)
+    sampler = EpochSampler(len(groups), seed=3, groups=groups, block=2)
+    sampler.set_epoch(0)
     order = [i for i, _ in sampler]
     assert sorted(order) == list(range(len(groups))) and order == [i for i, _ in sampler]
     held, loads = [], 0  # a store of 2 groups, least recently used out, reads each group once
@@ -140,9 +143,10 @@ def test_block_order_is_a_seeded_permutation_visiting_groups_block_by_block():
             held = held[-1:]
         held.append(groups[i])
     assert loads == 7
-    plain = EpochSampler(len(groups), seed=3, epoch_of=lambda: 0)  # (without groups: one shuffle, many more loads)
+    plain = EpochSampler(len(groups), seed=3)  # (without groups: one shuffle, many more loads)
     assert sorted(i for i, _ in plain) == list(range(len(groups)))
-    other = EpochSampler(len(groups), seed=3, groups=groups, block=2, epoch_of=lambda: 1)
+    other = EpochSampler(len(groups), seed=3, groups=groups, block=2)
+    other.set_epoch(1)
     assert [i for i, _ in other] != order
 
 

@@ -293,7 +293,7 @@ def test_unknown_ablation_name_is_an_argparse_error(capsys):
 
 def test_unreadable_image_checkpoint_of_another_architecture_and_existing_out(tmp_path, weights, tiny_dataset, capsys):
     from vitlab.cli import probe_main
-    from vitlab.data.read_options import ImageReadError
+    from vitlab.data import ImageReadError
 
     with pytest.raises(ImageReadError, match="broken.png: cannot decode image"):
         main(["invert", *VIT, "--images", str(_bad_png(tmp_path)), "--out", str(tmp_path / "a")])

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def volume_run(tmp_path_factory) -> Path:
     from vitlab.cli import fit
-    from vitlab.data.synthetic_volumes import generate_volumes
+    from vitlab.data.synthetic import generate_volumes
 
     root = tmp_path_factory.mktemp("volume-run")
     manifest = generate_volumes(root / "v", patients=4, size=32, slices=8, seed=2, difficulty=0.0)

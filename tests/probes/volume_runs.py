@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 
 from vitlab import models
-from vitlab.data.synthetic_volumes import generate_volumes
+from vitlab.data.synthetic import generate_volumes
 from vitlab.models.testing import randomize_parameters
 
 VOLUME = [32, 32, 16]  # voxels along i, j, k of the model input

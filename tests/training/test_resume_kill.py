@@ -110,7 +110,7 @@ def image_run_args(tiny_dataset) -> RunArgs:
 def volume_run_args(tmp_path_factory) -> RunArgs:
     """A tiny SwinUNETR segmenting 4 synthetic CT patients' whole volumes (2 train, 2 validation: one step per epoch)."""
     from tests.probes.volume_runs import volume_fit_args
-    from vitlab.data.synthetic_volumes import generate_volumes
+    from vitlab.data.synthetic import generate_volumes
 
     manifest = generate_volumes(tmp_path_factory.mktemp("volumes"), patients=4, size=32, slices=8, seed=2, difficulty=0.0)
     return functools.partial(volume_fit_args, manifest)

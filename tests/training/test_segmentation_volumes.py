@@ -79,7 +79,7 @@ def test_sliding_window_validation_equals_a_direct_forward_when_the_volume_fits_
 def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path, patches):
     from tests.training.test_classification import events, tiny_args
     from vitlab.cli import fit
-    from vitlab.data.synthetic_volumes import generate_volumes
+    from vitlab.data.synthetic import generate_volumes
 
     manifest = generate_volumes(tmp_path / "v", patients=4, size=32, slices=8, seed=2, difficulty=0.0)
     kwargs = "{img_size: 32, feature_size: 12, depths: [2, 2, 2, 2], num_heads: [2, 2, 4, 4], window_size: 4, norm_name: batch}"

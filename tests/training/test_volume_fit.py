@@ -9,7 +9,7 @@ from tests.training.test_classification import events, tiny_args
 from tests.training.test_dense import dense_args
 from tests.training.test_dense import events as dense_events
 from vitlab.cli import fit
-from vitlab.data.synthetic_volumes import generate_volumes
+from vitlab.data.synthetic import generate_volumes
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ class RuntimeCallback(pl.Callback):
         self.figure_worker: FigureWorker | None = None
         self._pause = False
         self._epoch_end = False  # between this callback's on_train_epoch_end and the next epoch's start
+        self._skipped_files: int | None = None  # data/skipped_files as last logged (rank 0)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or not trainer.is_global_zero:
@@ -45,6 +46,7 @@ class RuntimeCallback(pl.Callback):
 
             for path in remove_stale_temps(run_dir):
                 print(f"vitlab: removed {path}, left by the killed run")
+        self._skipped_files = log_skipped_files(trainer, None)
         if self.figures != "off" and self.figure_worker is None:
             self.figure_worker = FigureWorker(process=self.figures == "auto")
             if self.figure_worker.process and type(trainer.strategy).__name__ in ("SingleDeviceStrategy", "DDPStrategy"):
@@ -67,6 +69,8 @@ class RuntimeCallback(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_end = True  # (runs before the checkpoints: Lightning calls monitoring callbacks last)
+        if trainer.is_global_zero:
+            self._skipped_files = log_skipped_files(trainer, self._skipped_files)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._paused(True)
@@ -125,6 +129,27 @@ def log_validation_figures(trainer: pl.Trainer, pl_module: pl.LightningModule) -
         return
     for tag, figure in make().items():
         worker.submit(writer, tag, logging_step(trainer), figure)
+
+
+def log_skipped_files(trainer: pl.Trainer, logged: int | None) -> int | None:
+    """``data/skipped_files``: the bad files the data module left out (its ``skipped_files``) to the trainer's loggers.
+
+    ``logged`` None (the fit's set-up): the count at step 0, once per run (a resumed run keeps its first start's
+    point). Later (the end of a training epoch): the count again, at the epoch's step, when files that failed only
+    when loaded (by this process or its loader workers) have raised it. Returns the count now known.
+    """
+    count = getattr(trainer.datamodule, "skipped_files", None)
+    if count is None:
+        return logged
+    from vitlab.outputs.tensorboard import epoch_end_step, resume_step
+
+    if logged is None:
+        step = 0 if resume_step(trainer) == 0 else None
+    else:
+        step = epoch_end_step(trainer) if count > logged else None
+    for logger in trainer.loggers if step is not None else ():
+        logger.log_metrics({"data/skipped_files": float(count)}, step=step)
+    return count
 
 
 def settle_outputs(trainer: pl.Trainer, worker: FigureWorker | None, epoch_end: bool) -> None:

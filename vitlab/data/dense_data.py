@@ -1,9 +1,10 @@
-"""Detection and segmentation data: images + label-map masks (see :mod:`vitlab.data.dense`), without Lightning."""
+"""Detection and segmentation data: images + label-map masks (see :mod:`vitlab.data.datasets.targets`), without Lightning."""
 
 from __future__ import annotations
 
 from vitlab.data.image_data import ImageData
-from vitlab.data.dense import DenseDataset, check_masks, dense_collate, scan_coco
+from vitlab.data.boxes import scan_coco
+from vitlab.data.datasets.targets import DenseDataset, check_masks, dense_collate
 from vitlab.data.layouts import Sample
 
 
@@ -11,7 +12,7 @@ class DenseImageData(ImageData):
     """:class:`~vitlab.data.datamodule.ImageData` whose batches carry masks, boxes and instances.
 
     Batches are ``(images (B, C, S, S), targets)`` with one dict per image (see
-    :class:`~vitlab.data.dense.DenseDataset`). The split is the classifier's (patient-grouped, stratified
+    :class:`~vitlab.data.datasets.targets.DenseDataset`). The split is the classifier's (patient-grouped, stratified
     by the ``label`` column), so a detector and a classifier on the same data see the same patients.
 
     Args:
@@ -54,12 +55,12 @@ class DenseImageData(ImageData):
 
     def dataset(self, split: str, *, augmented: bool = False) -> DenseDataset:
         """Image + mask dataset of one split; ``augmented`` moves the masks with the image. Whole volumes
-        (``sample: volume``): their label maps on the resampled grid (:class:`~vitlab.data.volume_data.VolumeDataset`)."""
+        (``sample: volume``): their label maps on the resampled grid (:class:`~vitlab.data.datasets.volumes.VolumeDataset`)."""
         if self.volume_options is not None and self.volume_options.sample == "volume":
             return self.volume_dataset(self.samples(split), augmented, self.num_mask_classes)
         return DenseDataset(
             self.samples(split), self.class_names, self.train_transform if augmented else self.eval_transform,
             num_mask_classes=self.num_mask_classes, mask_classes=self.mask_classes, in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, bad_paths=self.bad_paths, volumes=self.volumes,
+            memory=self.memory, skipped=self.skipped, volumes=self.volumes,
         )  # fmt: skip

@@ -4,9 +4,9 @@ LightningDataModule over it, :class:`vitlab.data.datamodule.MedicalDataModule`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
 import warnings
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -15,30 +15,19 @@ import torch
 from torch.utils.data import DataLoader
 
 from vitlab.data.cache import ArrayCache, MemoryCache, cache_root
-from vitlab.data.dataset import MedicalImageDataset
-from vitlab.data.embedded import EmbeddedOptions, embedded_options
-from vitlab.data.io import ImageReader, ReadOptions
-from vitlab.data.layouts import SPLITS, UNLABELLED, Layout, Sample, check_files, patient_overlap, scan, split_by_patient
+from vitlab.data.datasets.images import MedicalImageDataset, SkippedFiles
+from vitlab.data.datasets.slices import VolumeStore
+from vitlab.data.datasets.volumes import VolumeDataset
+from vitlab.data.layouts import (SPLITS, UNLABELLED, Sample, check_files, check_validation, patient_overlap, scan, split_by_patient,
+                                 training_only, warn_unlabelled_overlap)
+from vitlab.data.readers.image import ImageReader
+from vitlab.data.readers.options import ReadOptions
 from vitlab.data.sampling import EpochSampler, KeyedAugmentation
-from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, train_transform
-from vitlab.data.volume_data import (MASK_CLASSES, VolumeDataset, VolumeOptions, VolumeStore, check_volumes, intensity_jitter,
-                                     scan_volumes)
-
-
-def _check_patches(sample: str, patch_size, patch_foreground, volume_size) -> None:
-    """One line for a ``data.patch_size`` / ``data.patch_foreground`` the volumes cannot take."""
-    if patch_size is None:
-        return
-    if sample != "volume":
-        raise ValueError(f"data.patch_size applies to data.sample volume (random 3-D training patches), not {sample!r}")
-    if not (isinstance(patch_size, (list, tuple)) and len(patch_size) == 3
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in patch_size)):
-        raise ValueError(f"data.patch_size must be 3 positive voxel counts (i, j, k), got {patch_size!r}")
-    if volume_size is not None and any(p > v for p, v in zip(patch_size, volume_size)):
-        raise ValueError(f"data.patch_size {list(patch_size)} is larger than data.volume_size {list(volume_size)} along some axis; "
-                         "a patch lies inside the volume (or set volume_size null to keep each volume's own size)")
-    if isinstance(patch_foreground, bool) or not isinstance(patch_foreground, (int, float)) or not 0 <= patch_foreground <= 1:
-        raise ValueError(f"data.patch_foreground must be a probability in [0, 1], got {patch_foreground!r}")
+from vitlab.data.synthetic import embedded as embedded_sets  # (looked up at call time: tests replace them)
+from vitlab.data.synthetic.embedded import EmbeddedOptions, embedded_options
+from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, single_opencv_thread, train_transform
+from vitlab.data.volume_layouts import MASK_CLASSES, check_volumes, volume_layout
+from vitlab.data.volume_options import VolumeOptions
 
 
 class ImageData:
@@ -53,12 +42,12 @@ class ImageData:
     Bad files, without decoding anything twice: ``setup`` reads every header once (missing files,
     non-DICOM, no pixel data, missing decoder plugin, truncated uncompressed pixels; DICOM
     PatientIDs for the split). Under ``on_bad_file="skip"`` each is warned about and dropped and
-    ``skipped_files`` counts them (logged as ``data/skipped_files`` to the trainer's loggers);
-    under ``"error"`` the first one stops the run. The headers stay in ``self.reader``, so the
-    loaders read uncompressed pixels without parsing again; a file that still fails at decode
-    time (e.g. corrupt compressed data, or a sample tensor that is not finite) is warned about and
-    replaced by the next image, and counted in ``skipped_files`` when it was loaded in this process
-    (loader workers warn about theirs; their count stays in the worker).
+    ``skipped_files`` counts them; under ``"error"`` the first one stops the run. The headers stay in
+    ``self.reader``, so the loaders read uncompressed pixels without parsing again; a file that still fails
+    at decode time (e.g. corrupt compressed data, or a sample tensor that is not finite) is warned about and
+    replaced by the next image, and counted in ``skipped_files`` whichever process loaded it (the loader
+    workers share :attr:`skipped` with this one). A training run logs the count as ``data/skipped_files``
+    (:class:`vitlab.callbacks.RuntimeCallback`); the data knows nothing of the trainer.
 
     Args:
         root: Class-folder root or a ``.csv`` manifest; None -> the embedded synthetic dataset.
@@ -67,7 +56,7 @@ class ImageData:
         batch_size: Images per batch.
         num_workers: DataLoader worker processes (0 = load in the main process); they change the speed, never the
             batches. ``train.py`` sets it from ``runtime.workers``.
-        window: Window preset name (see ``vitlab.data.io.WINDOW_PRESETS``); None -> file tags / min-max.
+        window: Window preset name (see ``vitlab.data.readers.window.WINDOW_PRESETS``); None -> file tags / min-max.
         window_center: Explicit window center (HU for CT); needs ``window_width``.
         window_width: Explicit window width.
         window_index: Which of the file's windows to use when it lists several.
@@ -95,7 +84,7 @@ class ImageData:
             the manifest has a ``split`` column: then only its ``train`` rows do, and its val / test rows are left
             out (test patients stay out of pretraining). Batches are ``(images, labels)`` with label -1; ``num_classes`` is 0.
         sample: ``"image"``: 2-D image files. ``"slice"`` / ``"slab"`` / ``"volume"``: the items of ``root`` are volumes
-            (NIfTI files, DICOM series folders, enhanced multi-frame files; see :mod:`vitlab.data.volume_data`) and
+            (NIfTI files, DICOM series folders, enhanced multi-frame files; see :mod:`vitlab.data.volume_options`) and
             the samples are their slices, their 2.5-D slabs (``2 * slab_radius + 1`` slices as channels: ``in_chans``
             follows) or the whole volumes. ``root`` None -> the embedded synthetic volumes.
         slab_radius: Slices each side of the centre in a slab.
@@ -174,55 +163,21 @@ class ImageData:
     ) -> None:
         embedded = embedded_options(embedded_kwargs)
         embedded_kwargs = dataclasses.asdict(embedded)  # plain dict in hparams: checkpoints load with weights_only
+        # every argument but the user's Compose (an object, no hyperparameter), in the form this class takes it: a run
+        # rebuilds its data module from this record alone (it is the LightningDataModule's hparams)
         self.arguments = {k: v for k, v in locals().items() if k not in ("self", "embedded", "train_transforms", "__class__")}
-        _check_positive(image_size=image_size, batch_size=batch_size)
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if isinstance(memory_cache_mb, bool) or not isinstance(memory_cache_mb, int) or memory_cache_mb < 0:
-            raise ValueError(f"memory_cache_mb must be an int >= 0 (MiB per process; 0 = off), got {memory_cache_mb!r}")
-        self.memory = MemoryCache(memory_cache_mb * 2**20) if memory_cache_mb else None
-        if on_bad_file not in ("skip", "error"):
-            raise ValueError(f"on_bad_file must be 'skip' or 'error', got {on_bad_file!r}")
-        if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-            raise ValueError(
-                f"val_fraction ({val_fraction}) and test_fraction ({test_fraction}) must be in [0, 1) "
-                "and sum to less than 1"
-            )
-        if frames == "all":
-            raise ValueError("frames='all' gives a volume per file; the DataModule needs 'middle' or a frame index")
+        _check_loading(image_size, batch_size, num_workers, memory_cache_mb, on_bad_file, val_fraction, test_fraction, frames)
         self.read_options = ReadOptions(window, window_center, window_width, window_index, frames)
         self.reader = ImageReader(self.read_options)  # remembers headers from setup's check for the loaders
-        self.volume_options = self.volumes = None
-        if sample != "image":
-            self.volume_options = VolumeOptions(sample, slab_radius, slice_labels, intensity, min_mask_voxels)
-            self.volumes = VolumeStore(self.volume_options, self.read_options, volumes_in_memory)
-            channels = self.volume_options.channels
-            if in_chans not in (1, channels):
-                raise ValueError(f"data.in_chans {in_chans} does not match data.sample {sample!r} (slab_radius {slab_radius}): "
-                                 f"its samples have {channels} channel(s); leave in_chans at 1")
-            in_chans = channels
-            if sample == "volume" and not (volume_size and len(volume_size) == 3 and all(int(n) > 0 for n in volume_size)) \
-                    and not (volume_size is None and patch_size is not None):
-                raise ValueError(f"data.sample volume needs data.volume_size: 3 positive voxel counts (i, j, k) (or null with "
-                                 f"data.patch_size), got {volume_size!r}")
-            _check_patches(sample, patch_size, patch_foreground, volume_size)
-            if spacing is not None and not (len(spacing) == 3 and all(float(s) > 0 for s in spacing)):
-                raise ValueError(f"data.spacing must be 3 positive numbers (mm along i, j, k) or null, got {spacing!r}")
-            if unlabelled_root:
-                raise ValueError("data.unlabelled_root is not read with data.sample slice / slab / volume; "
-                                 "give the unlabelled volumes as root with data.labels false")
-        elif in_chans not in (1, 3):
-            raise ValueError(f"in_chans must be 1 (grayscale) or 3 (colour), got {in_chans}")
-        elif slice_labels != "volume" or intensity != "window" or spacing is not None or volume_size is not None or patch_size is not None:
-            raise ValueError("data.slice_labels / data.intensity / data.spacing / data.volume_size / data.patch_size apply to volumes: "
-                             "set data.sample to slice, slab or volume")
-        if volume_flip and sample != "volume":
-            raise ValueError("data.volume_flip flips whole volumes: set data.sample to volume")
-        if volume_intensity is not None and sample != "volume":
-            raise ValueError("data.volume_intensity jitters whole volumes: set data.sample to volume")
-        self.spacing, self.volume_size, self.volume_flip = spacing, volume_size, bool(volume_flip)
-        self.volume_intensity = intensity_jitter(volume_intensity)
-        self.patch_size, self.patch_foreground = patch_size, patch_foreground
+        options = VolumeOptions(sample, slab_radius, slice_labels, intensity, min_mask_voxels, volumes_in_memory, spacing,
+                                volume_size, patch_size, patch_foreground, volume_flip, volume_intensity)  # (checks them all)
+        in_chans = options.input_channels(in_chans)
+        if options.sample != "image" and unlabelled_root:
+            raise ValueError("data.unlabelled_root is not read with data.sample slice / slab / volume; "
+                             "give the unlabelled volumes as root with data.labels false")
+        self.volume_options = None if options.sample == "image" else options  # None: 2-D image files
+        self.volumes = None if self.volume_options is None else VolumeStore(options, self.read_options)  # slices, slabs
+        self.memory = MemoryCache(memory_cache_mb * 2**20) if memory_cache_mb else None
         self.mean, self.std = normalization_stats(in_chans, mean, std)
         self.image_size, self.in_chans, self.batch_size = image_size, in_chans, batch_size
         self.num_workers, self.seed, self.on_bad_file = num_workers, seed, on_bad_file
@@ -234,59 +189,24 @@ class ImageData:
         self.eval_transform = eval_transform(image_size, self.mean, self.std)
 
         if root is None:
-            from vitlab.data.synthetic import embedded_dataset, embedded_volumes  # lazy: see vitlab.data.__getattr__
-
-            self.root = (embedded_dataset if sample == "image" else embedded_volumes)(**embedded_kwargs)
+            self.root = (embedded_sets.embedded_dataset if sample == "image" else embedded_sets.embedded_volumes)(**embedded_kwargs)
         else:
             self.root = Path(root).expanduser()
         self.labelled = bool(labels)
         if self.volume_options is None:
             layout = scan(self.root, classes=classes, on_bad_file=on_bad_file, labels=self.labelled)
         else:
-            layout = self._scan_volumes(classes)
+            layout = volume_layout(self.root, classes, labelled=self.labelled, slice_labels=options.slice_labels,
+                                   on_bad_file=on_bad_file)
         self._layout = layout
         self.unlabelled_root = Path(unlabelled_root).expanduser() if unlabelled_root else None
         self._unlabelled = scan(self.unlabelled_root, on_bad_file=on_bad_file, labels=False) if self.unlabelled_root else None
         self.class_names: list[str] = layout.class_names
         self.num_classes: int = len(layout.class_names)
         self._skipped_at_setup: int = len(layout.skipped or [])
-        self.bad_paths: set[str] = set()  # files the datasets skipped at decode time in this process
+        self.skipped = SkippedFiles()  # files the datasets skip at decode time (indexed by the samples at setup)
         self._samples: list[Sample] | None = None
-        self._skips_logged = False
-
-        self.array_cache: ArrayCache | None = None
-        if cache:
-            folder = Path(cache_dir).expanduser().resolve() if cache_dir else cache_root() / "arrays"
-            data_folder = (self.root if self.root.is_dir() else self.root.parent).resolve()
-            if folder.resolve().is_relative_to(data_folder):
-                raise ValueError(
-                    f"cache_dir {folder} is inside the data folder {data_folder}; vitlab never writes there"
-                )
-            options_key = repr(dataclasses.astuple(self.read_options))
-            self.array_cache = ArrayCache(folder, options_key)
-
-    def _scan_volumes(self, classes: list[str] | None) -> Layout:
-        """The layout of volumes; with ``slice_labels: mask`` the classes are the mask's absent / present."""
-        by_mask = self.volume_options.slice_labels == "mask"
-        if not self.root.exists():
-            raise FileNotFoundError(f"data root {self.root} does not exist (a folder of volumes or a .csv manifest)")
-        if by_mask and not self.labelled:
-            raise ValueError("data.slice_labels: mask labels slices; unlabelled volumes (data.labels false) have none")
-        layout = scan_volumes(self.root, labels=self.labelled and not by_mask, on_bad_file=self.on_bad_file)
-        if by_mask:
-            if classes is not None and len(classes) != 2:
-                raise ValueError(f"data.classes {classes}: slice_labels mask has two classes, [absent, present] in that order")
-            layout.class_names = list(classes or MASK_CLASSES)
-        elif self.labelled:
-            found = sorted({s.label for s in layout.samples})
-            unknown = [c for c in found if classes is not None and c not in classes]
-            if unknown:
-                raise ValueError(f"{self.root}: label(s) {unknown} are not among the classes {list(classes)}")
-            layout.class_names = list(classes) if classes is not None else found
-            if len(layout.class_names) < 2:
-                raise ValueError(f"{self.root}: found {len(layout.class_names)} class(es) {layout.class_names} of volumes; "
-                                 "need at least two (or data.slice_labels: mask, or data.labels false)")
-        return layout
+        self.array_cache = _array_cache(self.root, self.read_options, cache_dir) if cache else None
 
     def _check(self, samples: list[Sample]) -> tuple[list[Sample], list[str]]:
         """Header-check image files, or read every volume once and expand it into its samples."""
@@ -310,11 +230,12 @@ class ImageData:
         if self._unlabelled is not None:
             extra, extra_skipped = self._check(self._unlabelled.samples)
             self._skipped_at_setup += len(self._unlabelled.skipped or []) + len(extra_skipped)
-            extra = _training_only(extra)
+            extra = training_only(extra)
         samples = self._split(kept)
         if extra:
-            _check_unlabelled_overlap(self.unlabelled_root, extra, samples)
+            warn_unlabelled_overlap(self.unlabelled_root, extra, samples)
         self._samples = samples + extra
+        self.skipped = SkippedFiles(str(s.path) for s in self._samples)  # (before any loader: workers share it)
         return self._samples
 
     def _split(self, kept: list[Sample]) -> list[Sample]:
@@ -322,7 +243,7 @@ class ImageData:
         if not self.labelled:
             if not kept:
                 raise ValueError(f"{self.root}: no readable images after skipping {self.skipped_files} bad file(s)")
-            samples = _training_only(kept)
+            samples = training_only(kept)
             if not samples:
                 raise ValueError(f"{self.root}: the manifest's split column puts no readable image in 'train'")
             return samples
@@ -350,13 +271,19 @@ class ImageData:
         if missing:
             warnings.warn(f"{self.root}: class(es) {missing} have no training images", stacklevel=2)
         if not self._layout.has_split_column and self.val_fraction > 0:
-            _check_validation(self.root, samples, self.val_fraction)
+            check_validation(self.root, samples, self.val_fraction)
         return samples
 
     @property
     def skipped_files(self) -> int:
-        """Bad files left out: at setup (layout, headers, masks) and at decode time in this process."""
+        """Bad files left out: at setup (layout, headers, masks) and at decode time, in this process or its loader
+        workers."""
         return self._skipped_at_setup + len(self.bad_paths)
+
+    @property
+    def bad_paths(self) -> set[str]:
+        """The files skipped at decode time so far, in this process or its loader workers."""
+        return self.skipped.found
 
     def samples(self, split: str) -> list[Sample]:
         """Samples of one split (``"train"``, ``"val"`` or ``"test"``) with their patient ids."""
@@ -378,20 +305,9 @@ class ImageData:
         """Images per class in each split, e.g. ``{"train": {"lesion": 115, ...}, ...}``."""
         return {split: dict(Counter(s.label for s in self.samples(split))) for split in SPLITS}
 
-    trainer = None  # (the LightningDataModule's, when there is one)
-
     def setup(self, stage: str | None = None) -> None:
-        """Check headers, assign splits and log ``data/skipped_files`` to the trainer's loggers (at step 0, once per
-        run: not again when a killed run resumes)."""
+        """Check headers and assign splits (once; ``skipped_files`` then counts the files left out)."""
         self._prepare()
-        trainer = self.trainer
-        if trainer is not None and not self._skips_logged:
-            from vitlab.outputs.tensorboard import resume_step
-
-            if resume_step(trainer) == 0:  # once per run: a resumed run's point from its first start is kept
-                for logger in trainer.loggers:
-                    logger.log_metrics({"data/skipped_files": float(self.skipped_files)}, step=0)
-            self._skips_logged = True
 
     # ------------------------------------------------------------------ datasets and loaders
     def dataset(self, split: str, *, augmented: bool = False, labelled_only: bool = False) -> MedicalImageDataset:
@@ -406,7 +322,7 @@ class ImageData:
             samples, self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
-            memory=self.memory, deterministic=not augmented, bad_paths=self.bad_paths, volumes=self.volumes,
+            memory=self.memory, deterministic=not augmented, skipped=self.skipped, volumes=self.volumes,
         )  # fmt: skip
 
     collate_fn = None  # (the dense data module's batches of targets)
@@ -414,11 +330,8 @@ class ImageData:
     def volume_dataset(self, samples: list[Sample], augmented: bool, num_mask_classes: int | None = None) -> VolumeDataset:
         """Whole volumes of ``samples`` (``data.sample: volume``); ``augmented`` (training): random patches when
         ``data.patch_size`` is set, flips with ``data.volume_flip``, intensity jitter with ``data.volume_intensity``."""
-        return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, self.spacing,
-                             self.volume_size, on_bad_file=self.on_bad_file, bad_paths=self.bad_paths,
-                             num_mask_classes=num_mask_classes, patch_size=self.patch_size if augmented else None,
-                             patch_foreground=self.patch_foreground, flip=augmented and self.volume_flip,
-                             intensity=self.volume_intensity if augmented else None)
+        return VolumeDataset(samples, self.class_names, self.volume_options, self.read_options, augmented=augmented,
+                             on_bad_file=self.on_bad_file, skipped=self.skipped, num_mask_classes=num_mask_classes)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,
@@ -426,18 +339,16 @@ class ImageData:
         dataset = self.dataset(split, augmented=train)
         sampler = None
         if train:
-            epoch_of = lambda: self.trainer.current_epoch if self.trainer is not None else None  # noqa: E731
             groups = None if self.volumes is None else [(s.path, s.series_uid) for s in dataset.samples]
-            block = 0 if self.volumes is None else self.volumes.capacity
-            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, epoch_of=epoch_of, groups=groups, block=block)
+            block = 0 if self.volumes is None else self.volume_options.volumes_in_memory
+            sampler = EpochSampler(len(dataset), self.seed, shuffle=True, groups=groups, block=block)  # (set_epoch: Lightning)
             dataset = KeyedAugmentation(dataset, self.seed)
         workers = self.num_workers
-        if workers:  # OpenCV's thread pool does not survive fork: a worker that touched it would wait forever
-            import cv2
-
-            cv2.setNumThreads(1)
+        single_opencv_thread()  # (here, before any worker forks)
+        # validation / test volumes of their own sizes: one per batch (sliding-window inference)
+        whole = not train and self.volume_options is not None and self.volume_options.own_size
         return DataLoader(
-            dataset, batch_size=self.batch_size if train or self.volume_size or not self.patch_size else 1, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
+            dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
         )
 
@@ -460,43 +371,31 @@ class ImageData:
         return self._loader("test", train=False)
 
 
-def _check_validation(root: Path, samples: list[Sample], val_fraction: float) -> None:
-    """An empty validation split stops the run (nothing to monitor); a class missing from it is warned about."""
-    patients: dict[str, set] = {}
-    for sample in samples:
-        patients.setdefault(sample.label, set()).add(sample.patient_id)
-    counts = ", ".join(f"{label}: {len(ids)}" for label, ids in sorted(patients.items()))
-    in_val = {s.label for s in samples if s.split == "val"}
-    if not in_val:
-        raise ValueError(
-            f"{root}: the patient-grouped split left validation empty (patients per class: {counts}; "
-            f"val_fraction {val_fraction}); add patients, give the manifest a 'split' column, or raise data.val_fraction")
-    absent = sorted(set(patients) - in_val)
-    if absent:
-        warnings.warn(
-            f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
-            "validation metrics ignore them", stacklevel=3)
-
-
-def _training_only(unlabelled: list[Sample]) -> list[Sample]:
-    """Unlabelled images train and nothing else: a manifest's val / test rows stay out (there are no labels to
-    score them with, and test patients stay out of pretraining); the rest get ``split="train"``."""
-    return [dataclasses.replace(s, split="train") for s in unlabelled if s.split in (None, "train")]
-
-
-def _check_unlabelled_overlap(root: Path, extra: list[Sample], samples: list[Sample]) -> None:
-    """Warn when unlabelled training images belong to patients of the labelled val / test splits."""
-    held_out = {s.patient_id: s.split for s in samples if s.split in ("val", "test")}
-    shared = [s for s in extra if s.patient_id in held_out]
-    if shared:
-        example = shared[0]
-        warnings.warn(
-            f"unlabelled_root {root}: {len(shared)} image(s) belong to labelled {sorted({held_out[s.patient_id] for s in shared})} "
-            f"patients (e.g. {example.path.name}: {example.patient_id!r}); pretraining on them makes the k-NN score optimistic",
-            stacklevel=3)
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
+def _check_loading(image_size, batch_size, num_workers, memory_cache_mb, on_bad_file, val_fraction, test_fraction,
+                  frames) -> None:
+    """One line for a loading argument out of its range (the volume arguments: :class:`VolumeOptions`)."""
+    for name, value in (("image_size", image_size), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if isinstance(memory_cache_mb, bool) or not isinstance(memory_cache_mb, int) or memory_cache_mb < 0:
+        raise ValueError(f"memory_cache_mb must be an int >= 0 (MiB per process; 0 = off), got {memory_cache_mb!r}")
+    if on_bad_file not in ("skip", "error"):
+        raise ValueError(f"on_bad_file must be 'skip' or 'error', got {on_bad_file!r}")
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"val_fraction ({val_fraction}) and test_fraction ({test_fraction}) must be in [0, 1) "
+            "and sum to less than 1"
+        )
+    if frames == "all":
+        raise ValueError("frames='all' gives a volume per file; the DataModule needs 'middle' or a frame index")
+
+
+def _array_cache(root: Path, read_options: ReadOptions, cache_dir: str | None) -> ArrayCache:
+    """The decoded-array cache in ``cache_dir`` (default: the vitlab cache), never inside the data folder."""
+    folder = Path(cache_dir).expanduser().resolve() if cache_dir else cache_root() / "arrays"
+    data_folder = (root if root.is_dir() else root.parent).resolve()
+    if folder.resolve().is_relative_to(data_folder):
+        raise ValueError(f"cache_dir {folder} is inside the data folder {data_folder}; vitlab never writes there")
+    return ArrayCache(folder, repr(dataclasses.astuple(read_options)))

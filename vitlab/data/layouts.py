@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vitlab.data.io import SUPPORTED_TYPES, ImageReadError, header_info, image_kind
+from vitlab.data.readers.errors import ImageReadError
+from vitlab.data.readers.image import SUPPORTED_TYPES, header_info, image_kind
 
 SPLITS = ("train", "val", "test")
 MANIFEST_COLUMNS = ("path", "label", "split", "patient_id", "mask", "boxes")
@@ -56,10 +57,10 @@ class Sample:
         patient_id: Patient the image belongs to (manifest column, DICOM PatientID, else the path);
             None until :func:`check_files` has run.
         split: ``"train"``, ``"val"``, ``"test"`` or None when not assigned yet.
-        mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.dense`), or None.
-        boxes: The manifest's ``boxes`` cell (``"x0 y0 x1 y1 label;..."``, see :func:`vitlab.data.dense.parse_boxes`;
+        mask: Label map of the image (detection / segmentation; see :mod:`vitlab.data.datasets.targets`), or None.
+        boxes: The manifest's ``boxes`` cell (``"x0 y0 x1 y1 label;..."``, see :func:`vitlab.data.boxes.parse_boxes`;
             ``""`` for an empty cell), or None without a ``boxes`` column.
-        series_uid: The series of a DICOM folder that holds several (volumes, see :mod:`vitlab.data.volume_data`).
+        series_uid: The series of a DICOM folder that holds several (volumes, see :mod:`vitlab.data.volume_layouts`).
         slice: Index k of the slice (or the slab's centre) in the volume ``path``; None for a 2-D image or a whole
             volume.
     """
@@ -127,7 +128,7 @@ def scan(
     if root.is_file():
         if root.suffix.lower() != ".csv":
             raise ValueError(f"data root {root} is a file but not a .csv manifest")
-        layout = _read_manifest(root, on_bad_file, labels)
+        layout = read_manifest(root, on_bad_file, labels)
     else:
         layout = _scan_class_folders(root) if labels else _scan_unlabelled(root)
     if not labels:
@@ -196,7 +197,7 @@ def _image_problem(path: Path) -> str | None:
     return None if image_kind(path) is not None else f"is not a supported image ({SUPPORTED_TYPES})"
 
 
-def _read_manifest(
+def read_manifest(
     manifest: Path, on_bad_file: str, labels: bool = True, problem: Callable[[Path], str | None] = _image_problem
 ) -> Layout:
     try:
@@ -255,7 +256,7 @@ def check_files(
     Args:
         samples: Samples from :func:`scan`.
         on_bad_file: ``"skip"`` (warn and drop) or ``"error"`` (raise the first problem).
-        inspect: The header check; :meth:`~vitlab.data.io.ImageReader.inspect` also remembers
+        inspect: The header check; :meth:`~vitlab.data.readers.image.ImageReader.inspect` also remembers
             each header so that reading the pixels later needs no second parse.
 
     Returns:
@@ -332,3 +333,39 @@ def patient_overlap(samples: Sequence[Sample]) -> dict[str, set[str]]:
     for sample in samples:
         splits_of[sample.patient_id].add(sample.split)
     return {p: s for p, s in splits_of.items() if len(s) > 1}
+
+
+def check_validation(root: Path, samples: list[Sample], val_fraction: float) -> None:
+    """An empty validation split stops the run (nothing to monitor); a class missing from it is warned about."""
+    patients: dict[str, set] = {}
+    for sample in samples:
+        patients.setdefault(sample.label, set()).add(sample.patient_id)
+    counts = ", ".join(f"{label}: {len(ids)}" for label, ids in sorted(patients.items()))
+    in_val = {s.label for s in samples if s.split == "val"}
+    if not in_val:
+        raise ValueError(
+            f"{root}: the patient-grouped split left validation empty (patients per class: {counts}; "
+            f"val_fraction {val_fraction}); add patients, give the manifest a 'split' column, or raise data.val_fraction")
+    absent = sorted(set(patients) - in_val)
+    if absent:
+        warnings.warn(
+            f"{root}: class(es) {absent} have no validation images (patients per class: {counts}); "
+            "validation metrics ignore them", stacklevel=3)
+
+
+def training_only(unlabelled: list[Sample]) -> list[Sample]:
+    """Unlabelled images train and nothing else: a manifest's val / test rows stay out (there are no labels to
+    score them with, and test patients stay out of pretraining); the rest get ``split="train"``."""
+    return [replace(s, split="train") for s in unlabelled if s.split in (None, "train")]
+
+
+def warn_unlabelled_overlap(root: Path, extra: list[Sample], samples: list[Sample]) -> None:
+    """Warn when unlabelled training images belong to patients of the labelled val / test splits."""
+    held_out = {s.patient_id: s.split for s in samples if s.split in ("val", "test")}
+    shared = [s for s in extra if s.patient_id in held_out]
+    if shared:
+        example = shared[0]
+        warnings.warn(
+            f"unlabelled_root {root}: {len(shared)} image(s) belong to labelled {sorted({held_out[s.patient_id] for s in shared})} "
+            f"patients (e.g. {example.path.name}: {example.patient_id!r}); pretraining on them makes the k-NN score optimistic",
+            stacklevel=3)

@@ -1,4 +1,5 @@
-"""Label-map masks beside the images: reading and checking them, and the instances and boxes in a mask."""
+"""Label maps beside the images and volumes: reading and checking them (2-D masks, volume label maps on their
+image's grid), and the instances and boxes in a 2-D mask."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-from vitlab.data.io import ImageReadError
 from vitlab.data.layouts import Sample
+from vitlab.data.readers.errors import ImageReadError, VolumeError
+from vitlab.data.readers.image import image_kind
+from vitlab.data.readers.nifti import is_nifti
+from vitlab.data.readers.volume import read_volume
 
 MASK_SUFFIXES = (".png", ".tif", ".tiff")
 
@@ -75,3 +79,39 @@ def boxes_of(masks: Sequence[np.ndarray]) -> np.ndarray:
         ys, xs = np.nonzero(m)
         boxes[i] = (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
     return boxes
+
+
+def read_label_map(sample: Sample, image_shape: tuple, image_affine: np.ndarray) -> np.ndarray:
+    """The volume label map of ``sample`` as uint8 (I, J, K), checked against its image's grid.
+
+    Raises:
+        VolumeError: A DICOM SEG, a shape or affine that differs from the image's (both said), or values that are
+            not labels (negative or not whole numbers).
+    """
+    where = f"mask {sample.mask} of {sample.path}"
+    if sample.mask.is_file() and image_kind(sample.mask) == "dicom" and not is_nifti(sample.mask):
+        raise VolumeError(f"{where}: DICOM SEG masks are not read; export the segmentation as a NIfTI label map "
+                          "(0 = background, 1..K = classes, the image's grid), e.g. with highdicom or dcmqi")
+    try:
+        mask = read_volume(sample.mask)
+    except ImageReadError as exc:
+        raise VolumeError(f"{where}: {exc}") from None
+    if mask.shape != tuple(image_shape) or not np.allclose(mask.affine, image_affine, atol=1e-3, rtol=1e-5):
+        raise VolumeError(
+            f"{where}: its grid does not match the image's: shape {mask.shape} vs {tuple(image_shape)}, affine "
+            f"{np.round(mask.affine[:3], 3).tolist()} vs {np.round(image_affine[:3], 3).tolist()}; a label map lies on its image's voxels"
+        )
+    values = np.unique(mask.array)
+    bad = values[(values < 0) | (values != np.round(values)) | (values > 255)]
+    if bad.size:
+        raise VolumeError(f"{where}: value(s) {bad[:5].tolist()} are not labels (0 = background, 1..255 = classes)")
+    return mask.array.astype(np.uint8)
+
+
+def within_classes(sample: Sample, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """``labels`` (int64) when every value is 0..``num_classes``, else a one-line :class:`MaskError` naming them."""
+    if labels.max(initial=0) > num_classes:
+        extra = sorted(set(np.unique(labels).tolist()) - set(range(num_classes + 1)))
+        raise MaskError(f"mask {sample.mask} of {sample.path}: label value(s) {extra} not in the classes "
+                        f"(0 = background, 1-{num_classes})")
+    return labels

@@ -1,6 +1,6 @@
-"""Resampling a :class:`~vitlab.data.volume.Volume` to a voxel spacing, and centred crop / pad to a grid size.
+"""Resampling a :class:`~vitlab.data.readers.volume.Volume` to a voxel spacing, and centred crop / pad to a grid size.
 
-Both keep the geometry contract of :mod:`vitlab.data.volume` (``array[i, j, k]`` is the voxel whose centre lies at
+Both keep the geometry contract of :mod:`vitlab.data.readers.volume` (``array[i, j, k]`` is the voxel whose centre lies at
 ``affine @ [i, j, k, 1]`` in RAS+ mm) by moving the affine with the array, so a resampled or cropped volume still
 places every voxel in the patient. ``data.sample: volume`` uses them to bring whole volumes to ``data.spacing`` mm
 and ``data.volume_size`` voxels (SPEC §11).
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.data.volume import Volume
+from vitlab.data.readers.volume import Volume
 
 __all__ = ["crop_or_pad", "resample"]
 

@@ -10,7 +10,7 @@ run resumed at epoch k shuffles and augments epoch k as an uninterrupted run doe
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,21 +26,25 @@ def mixed_seed(*keys: int) -> int:
 class EpochSampler(Sampler):
     """Yields ``(index, epoch)`` for every sample of an epoch: shuffled by a generator seeded with (seed, epoch).
 
+    The epoch is the one :meth:`set_epoch` gave last: Lightning calls it at the start of every training epoch (as it
+    does for torch's ``DistributedSampler``, through its distributed wrapper too), so a run resumed at epoch k loads
+    epoch k as the uninterrupted run did. A loader iterated without it (outside a trainer) counts its own epochs
+    0, 1, 2, ...
+
     Args:
         size: Number of samples.
         seed: The data seed.
         shuffle: A new order each epoch; else 0..size-1.
-        epoch_of: Returns the epoch being loaded (the trainer's ``current_epoch``), or None; then the sampler
-            counts its own iterations (a loader used outside a trainer).
         groups: With ``block``: the group (volume) of each sample. The groups are shuffled and visited ``block`` at
             a time, the samples of a block shuffled together, so a loader process that keeps ``block`` groups in
-            memory reads each group once per epoch (slices and slabs of volumes, see :mod:`vitlab.data.volume_data`).
+            memory reads each group once per epoch (slices and slabs of volumes, see :mod:`vitlab.data.datasets.slices`).
         block: Groups per block (0: no blocks, one shuffle over all samples).
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True, epoch_of: Callable[[], int | None] | None = None,
-                 groups: Sequence[object] | None = None, block: int = 0) -> None:
-        self.size, self.seed, self.shuffle, self.epoch_of = size, seed, shuffle, epoch_of
+    def __init__(self, size: int, seed: int, shuffle: bool = True, groups: Sequence[object] | None = None,
+                 block: int = 0) -> None:
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch: int | None = None  # (set_epoch's)
         self._iterations = 0
         self.members: list[list[int]] | None = None
         if groups is not None and block:
@@ -54,10 +58,12 @@ class EpochSampler(Sampler):
     def __len__(self) -> int:
         return self.size
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iterations load (Lightning's hook, called before every training epoch)."""
+        self.epoch = int(epoch)
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        epoch = self.epoch_of() if self.epoch_of is not None else None
-        if epoch is None:
-            epoch = self._iterations
+        epoch = self.epoch if self.epoch is not None else self._iterations
         self._iterations += 1
         generator = torch.Generator().manual_seed(mixed_seed(self.seed, epoch))
         if self.shuffle and self.members is not None:

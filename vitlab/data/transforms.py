@@ -136,16 +136,27 @@ def _flatten(transform: A.BasicTransform | A.BaseCompose) -> list:
     return [leaf for child in children for leaf in _flatten(child)]
 
 
-def seed_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: one OpenCV thread; Python's and NumPy's global generators seeded per worker.
+def single_opencv_thread() -> None:
+    """OpenCV (albumentations' backend) on one thread in this process: vitlab's one OpenCV thread setting.
 
-    OpenCV (albumentations' backend) would start a thread per core in every worker, competing with the training
-    process for the cores. The augmentations themselves are seeded per sample (:mod:`vitlab.data.sampling`), so
-    they do not depend on which worker loads a sample.
-    """
+    The data loaders make it in every process that loads: the training process when it makes a loader (before its
+    workers start: OpenCV's thread pool, once running, does not survive a fork, and a worker that then touched
+    OpenCV waited forever) and each worker as it starts (:func:`seed_worker`; a forked worker inherits it, a spawned
+    one does not). OpenCV's default, a thread per core in every process, would compete with torch's threads and the
+    other workers for the cores (``docs/performance.md``)."""
     import cv2
 
     cv2.setNumThreads(1)
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: one OpenCV thread (:func:`single_opencv_thread`); Python's and NumPy's global
+    generators seeded per worker.
+
+    The augmentations themselves are seeded per sample (:mod:`vitlab.data.sampling`), so they do not depend on
+    which worker loads a sample.
+    """
+    single_opencv_thread()
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)

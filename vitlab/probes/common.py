@@ -362,7 +362,7 @@ def image_stream(args: argparse.Namespace, loaded: LoadedModel, default_count: i
 
 
 def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, split: str) -> ImageStream:
-    """A 3-D model's probe volumes, read one at a time as training reads them (:class:`~vitlab.data.volume_data.VolumeDataset`):
+    """A 3-D model's probe volumes, read one at a time as training reads them (:class:`~vitlab.data.datasets.volumes.VolumeDataset`):
     resampled to ``--spacing`` (else the config's ``data.spacing``, else left at each volume's own), cropped / padded
     about the centre to the model's input size, intensities through the config's window / ``data.intensity``, no
     mean / std (training gives volumes to the model in [0, 1]). Volumes come from ``--images`` (NIfTI files, DICOM
@@ -376,9 +376,11 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
     ``read_mask`` gives each volume's label map on the volume's grid (resampled with nearest neighbours, as training
     reads it; one load per volume serves ``read`` and ``read_mask``) and ``mask_classes`` names its values 1..K.
     """
+    from vitlab.data.datasets.volumes import VolumeDataset
     from vitlab.data.layouts import UNLABELLED, Sample
-    from vitlab.data.read_options import ReadOptions
-    from vitlab.data.volume_data import VolumeDataset, VolumeOptions, _volumes_under, volume_problem
+    from vitlab.data.readers.options import ReadOptions
+    from vitlab.data.volume_layouts import volume_problem, volumes_under
+    from vitlab.data.volume_options import VolumeOptions
 
     in_chans, *size = models.input_size(loaded.model)
     data = dict(loaded.data or {})
@@ -391,13 +393,13 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
             problem = None if path.is_dir() else volume_problem(path)
             if problem is not None:
                 raise ValueError(f"--images {path} {problem}")
-            found = _volumes_under(path) if path.is_dir() else [(path, None)]  # NIfTI files and series folders under it
+            found = volumes_under(path) if path.is_dir() else [(path, None)]  # NIfTI files and series folders under it
             samples += [Sample(p.resolve(), UNLABELLED, series_uid=uid) for p, uid in found]
         if not samples:
             raise ValueError(f"--images {' '.join(args.images)}: no volumes (.nii / .nii.gz files or folders of DICOM files)")
         samples, labelled, class_names, mask_classes = samples[:count], False, None, None
         read_options = ReadOptions(**{k: data[k] for k in ("window", "window_center", "window_width", "window_index") if k in data})
-        options = VolumeOptions("volume", intensity=data.get("intensity", "window"))
+        options = VolumeOptions("volume", intensity=data.get("intensity", "window"), spacing=spacing, volume_size=size)
     else:
         if data.get("sample") != "volume":
             data.update(sample="volume", volume_size=list(size))
@@ -415,7 +417,7 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
         # segmentation data: the label maps come with the volumes, on their grid (every chosen volume needs one)
         with_masks = bool(data.get("mask_classes")) and all(s.mask is not None for s in samples)
         mask_classes = [str(name) for name in data["mask_classes"]] if with_masks else None
-    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, spacing, size, on_bad_file="error",
+    dataset = VolumeDataset(samples, class_names or [UNLABELLED], options, read_options, on_bad_file="error",
                             num_mask_classes=len(mask_classes) if mask_classes else None)
     masks: dict[int, torch.Tensor] = {}  # the label map of the volume read last: read and read_mask share one load
     first = None if spacing is not None else tuple(float(v) for v in dataset.load_volume(0)[0].spacing)
@@ -467,7 +469,7 @@ def _expand_images(paths: list[str]) -> list[Path]:
     for p in map(Path, paths):
         if p.is_dir():
             files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
-                            and "masks" not in f.relative_to(p).parts[:-1])  # label maps (vitlab.data.dense) are not images
+                            and "masks" not in f.relative_to(p).parts[:-1])  # label maps (vitlab.data.masks) are not images
         elif p.is_file():
             files.append(p)
         else:

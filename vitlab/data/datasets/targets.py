@@ -5,7 +5,7 @@ value ``i`` is ``mask_classes[i - 1]``. Where the masks are:
 
 * manifest: a ``mask`` column beside ``path`` (relative to the manifest's folder);
 * class folders: a parallel tree ``root/masks/<class>/<same relative path>.png`` (or ``.tif``);
-* COCO instances JSON (:func:`scan_coco`): polygons / RLE per annotation, rasterised into label maps.
+* COCO instances JSON (:func:`~vitlab.data.boxes.scan_coco`): polygons / RLE per annotation, rasterised into label maps.
 
 Instances for detection are the connected components of each class (``scipy.ndimage.label``),
 unless the manifest has a ``boxes`` column (:func:`parse_boxes`): a non-empty cell lists the image's boxes,
@@ -24,11 +24,10 @@ import albumentations as A
 import numpy as np
 import torch
 
-from vitlab.data.dataset import MedicalImageDataset, finite_tensor, integer_downscale, to_channels
+from vitlab.data.boxes import box_masks, parse_boxes
+from vitlab.data.datasets.images import MedicalImageDataset, finite_tensor, integer_downscale, to_channels
 from vitlab.data.layouts import Sample, skip_or_raise
-
-from vitlab.data.boxes import BOX_FORMAT, box_masks, parse_boxes, scan_coco  # noqa: F401  (the dense data's API)
-from vitlab.data.masks import MASK_SUFFIXES, MaskError, boxes_of, instances, read_mask  # noqa: F401
+from vitlab.data.masks import MaskError, boxes_of, instances, read_mask
 
 
 def check_masks(samples: Sequence[Sample], num_classes: int, on_bad_file: str = "skip",
@@ -63,7 +62,7 @@ class DenseDataset(MedicalImageDataset):
 
     Args:
         num_mask_classes: Foreground classes in the masks.
-        Other arguments: as :class:`~vitlab.data.dataset.MedicalImageDataset`.
+        Other arguments: as :class:`~vitlab.data.datasets.images.MedicalImageDataset`.
     """
 
     def __init__(self, samples: Sequence[Sample], class_names: Sequence[str], transform: A.Compose, *,

@@ -33,8 +33,8 @@ from pydicom.dataset import Dataset
 from pydicom.uid import CTImageStorage, generate_uid
 from pydicom.valuerep import format_number_as_ds
 
-from vitlab.data.phantom import INTERCEPT_HU, LABELS, dicom_dataset, smooth_field, soft
-from vitlab.data.volume import LPS_TO_RAS
+from vitlab.data.synthetic.phantom import INTERCEPT_HU, LABELS, dicom_dataset, smooth_field, soft
+from vitlab.data.readers.volume import LPS_TO_RAS
 
 VOLUME_GENERATOR_VERSION = 1  # bump when the generated volumes change
 

@@ -6,7 +6,7 @@ patient coordinate system (ImagePositionPatient's). ``spacing`` is the column no
 geometry travels with the array, as in nibabel and MONAI's MetaTensor, so that resampling and masks never guess.
 
 :func:`read_volume` reads a NIfTI file, a folder holding a DICOM series or one enhanced multi-frame DICOM file
-(the DICOM part lives in :mod:`vitlab.data.dicom_series`), and refuses in one line what would give a wrong
+(the DICOM part lives in :mod:`vitlab.data.readers.dicom_series`, NIfTI in :mod:`vitlab.data.readers.nifti`), and refuses in one line what would give a wrong
 geometry or wrong values. It only reads: nothing in the user's folders is written.
 """
 
@@ -18,15 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from vitlab.data.dicom_series import read_multiframe, read_series_folder
-from vitlab.data.io import file_errors, image_kind
-from vitlab.data.read_options import ImageNotFoundError, ImageReadError, VolumeError
+from vitlab.data.readers.dicom_series import read_multiframe, read_series_folder
+from vitlab.data.readers.errors import VOLUME_SOURCES, ImageNotFoundError, ImageReadError, VolumeError
+from vitlab.data.readers.image import image_kind
+from vitlab.data.readers.nifti import NIFTI_SUFFIXES, is_nifti, read_nifti
 
-__all__ = ["LPS_TO_RAS", "Volume", "VolumeError", "read_volume", "reorient"]
+__all__ = ["LPS_TO_RAS", "NIFTI_SUFFIXES", "Volume", "VolumeError", "read_volume", "reorient"]
 
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])  # (4, 4): DICOM's patient space -> nibabel's world space (an involution)
-NIFTI_SUFFIXES = (".nii", ".nii.gz")
-_ACCEPTS = "read_volume reads a .nii/.nii.gz file, a folder holding a DICOM series or an enhanced multi-frame DICOM file"
 
 
 @dataclass(frozen=True, eq=False)  # (no field-wise ==: arrays do not compare to one bool)
@@ -102,17 +101,17 @@ def _read(source: Path, series_uid: str | None, orientation: str | None) -> Volu
     if source.is_dir():
         dicom = read_series_folder(source, series_uid)
     elif not source.exists():
-        raise ImageNotFoundError(f"{source}: not found; {_ACCEPTS}")
+        raise ImageNotFoundError(f"{source}: not found; {VOLUME_SOURCES}")
     elif series_uid is not None:
         raise ValueError(f"series_uid= chooses a series in a DICOM folder; {source} is a file")
-    elif source.name.lower().endswith(NIFTI_SUFFIXES):
-        array, affine = _read_nifti(source)
+    elif is_nifti(source):
+        array, affine = read_nifti(source)
         return _finish(Volume(array, affine, source=source), orientation)
     elif image_kind(source) == "dicom":
         dicom = read_multiframe(source)
     else:
         suffix = repr(source.suffix) if source.suffix else "none"
-        raise VolumeError(f"{source}: not a volume file (suffix {suffix}, not DICOM); {_ACCEPTS}")
+        raise VolumeError(f"{source}: not a volume file (suffix {suffix}, not DICOM); {VOLUME_SOURCES}")
     volume = Volume(dicom.array, LPS_TO_RAS @ dicom.affine_lps, dicom.patient_id, dicom.series_uid, dicom.modality,
                     source)  # fmt: skip
     return _finish(volume, orientation)
@@ -149,7 +148,7 @@ def _finish(volume: Volume, orientation: str | None) -> Volume:
 
 
 def _affine_hint(where: Path | None) -> str:
-    if where is not None and where.name.lower().endswith(NIFTI_SUFFIXES):
+    if where is not None and is_nifti(where):
         return "check the header's sform, qform and pixdim"
     return "check ImageOrientationPatient, PixelSpacing and the slice positions"
 
@@ -168,41 +167,3 @@ def reorient(array: np.ndarray, affine: np.ndarray, orientation: str = "RAS") ->
         return array, affine
     moved = np.asfortranarray(orientations.apply_orientation(array, transform))
     return moved, affine @ orientations.inv_ornt_aff(transform, array.shape)
-
-
-def _read_nifti(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """A NIfTI-1/2 file's (I, J, K) float32 array (scaling applied) and its affine; refuses what is not one."""
-    import nibabel
-
-    with file_errors(path, "not a readable NIfTI file"):
-        try:
-            image = nibabel.load(path, mmap=False)
-        except nibabel.filebasedimages.ImageFileError as exc:
-            raise VolumeError(f"{path}: not a NIfTI file ({' '.join(str(exc).split())}); {_ACCEPTS}") from None
-        if not isinstance(image, (nibabel.Nifti1Image, nibabel.Nifti2Image)):
-            raise VolumeError(f"{path}: a {type(image).__name__}, not a NIfTI-1/2 image; {_ACCEPTS}")
-        shape = image.shape
-        while len(shape) > 3 and shape[-1] == 1:  # trailing unit axes (x, y, z, 1): still one volume
-            shape = shape[:-1]
-        if len(shape) != 3:
-            many = f"holds {int(np.prod(shape[3:]))} volumes" if len(shape) > 3 else "is not a volume"
-            raise VolumeError(f"{path}: {len(image.shape)}-D NIfTI of shape {image.shape} {many}; read_volume reads 3-D images")
-        dtype = image.get_data_dtype()
-        if dtype.fields is not None or dtype.kind == "c":
-            raise VolumeError(f"{path}: NIfTI data type {dtype} (colour or complex); read_volume reads real scalar voxels")
-        try:
-            array = image.get_fdata(dtype=np.float32).reshape(shape, order="A")
-        except (EOFError, OSError, ValueError) as exc:  # gzip / zlib / short reads
-            raise VolumeError(
-                f"{path}: truncated or corrupt NIfTI data ({type(exc).__name__}: {' '.join(str(exc).split())}); "
-                f"the header announces shape {image.shape} of {dtype}"
-            ) from None
-        affine = np.array(image.affine, dtype=np.float64)
-    if not np.isfinite(array).all():
-        bad = ~np.isfinite(array)
-        first = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise VolumeError(
-            f"{path}: {int(bad.sum())} NaN or infinite voxels (the first at {list(first)}); a volume must be finite "
-            "everywhere (check the data and scl_slope / scl_inter)"
-        )
-    return array, affine

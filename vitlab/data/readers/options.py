@@ -1,55 +1,16 @@
-"""Read options, window arithmetic and the error type shared by every image reader.
+"""How a file becomes an array: the read options every reader takes (window, frames), checked on construction,
+and the frame a multi-frame file gives.
 
-A problem with one *file* raises :class:`ImageReadError` (one line naming the file and the
-reason), which ``on_bad_file="skip"`` may skip; a wrong *option* (unknown preset, bad frame
-selector) raises a plain ``ValueError`` because it is not the file's fault and must never be skipped.
+A wrong *option* raises a plain ``ValueError`` (never skipped: it is not the file's fault); a file whose frames
+do not fit raises :class:`~vitlab.data.readers.errors.ImageReadError` (see :mod:`vitlab.data.readers.errors`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-# Standard radiology windows (center, width) in Hounsfield units.
-WINDOW_PRESETS: dict[str, tuple[float, float]] = {
-    "brain": (40.0, 80.0),
-    "subdural": (80.0, 200.0),
-    "stroke": (40.0, 40.0),
-    "lung": (-600.0, 1500.0),
-    "mediastinum": (50.0, 350.0),
-    "soft_tissue": (50.0, 400.0),
-    "liver": (60.0, 160.0),
-    "bone": (400.0, 1800.0),
-}
-
-
-# Window widths whose float32 arithmetic stays finite: 1 / width and width / 2 must be normal float32 numbers
-# (a width of 1e-300 made 1 / width infinite and 0 x inf = NaN pixels); real windows are far inside.
-WINDOW_WIDTH_RANGE = (1e-30, 1e30)
-
-
-def window_width_problem(width: float) -> str | None:
-    """Why ``width`` cannot be a window width ("is not positive", "is outside ..."), or None when it can."""
-    if not width > 0:
-        return "is not positive"
-    low, high = WINDOW_WIDTH_RANGE
-    if not low <= width <= high:
-        return f"is outside the usable range {low:g} to {high:g}"
-    return None
-
-
-class ImageReadError(ValueError):
-    """One image file cannot be read; the message names the file and the reason (one line)."""
-
-
-class ImageNotFoundError(ImageReadError, FileNotFoundError):
-    """The image file does not exist."""
-
-
-class VolumeError(ImageReadError):
-    """A volume (NIfTI file, DICOM series folder, multi-frame DICOM file) cannot be read as one; the message
-    names the file or folder, what is wrong and what would be valid (one line)."""
+from vitlab.data.readers.errors import ImageReadError
+from vitlab.data.readers.window import WINDOW_PRESETS, WINDOW_WIDTH_RANGE, window_width_problem
 
 
 @dataclass(frozen=True)
@@ -104,35 +65,6 @@ class ReadOptions:
         if self.window_center is not None:
             return float(self.window_center), float(self.window_width)  # type: ignore[arg-type]
         return None
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message collapsed to one line."""
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def window_values(values: np.ndarray, center: float, width: float, *, out: np.ndarray | None = None) -> np.ndarray:
-    """Linear window ``clip((x - (c - w/2)) / w, 0, 1)`` computed in float32.
-
-    Args:
-        values: Modality values (e.g. HU), any real dtype.
-        center: Window center.
-        width: Window width (> 0).
-        out: Optional float32 array of the same shape to write into (may be ``values`` itself).
-    """
-    out = np.subtract(values, np.float32(center - width / 2.0), out=out, dtype=np.float32, casting="same_kind")
-    np.multiply(out, np.float32(1.0 / width), out=out)
-    return np.clip(out, 0.0, 1.0, out=out)
-
-
-def min_max(values: np.ndarray) -> np.ndarray:
-    """Scale to [0, 1] by the array's own range (a constant array gives zeros), float32, clipped exactly."""
-    values = np.asarray(values, dtype=np.float32)
-    low, high = float(values.min()), float(values.max())
-    if high <= low:
-        return np.zeros_like(values)
-    out = (values - np.float32(low)) * np.float32(1.0 / (high - low))
-    return np.clip(out, 0.0, 1.0, out=out)  # rounding can give 1.0000001
 
 
 def frame_index(path: object, frames: str | int, count: int) -> int | None:

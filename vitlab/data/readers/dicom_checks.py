@@ -2,7 +2,7 @@
 
 Hospital files carry malformed values (an IS ``'1A'``, a WindowCenter ``'abc'``, a WindowWidth
 ``inf``, a PALETTE COLOR image without its lookup tables). Each is turned here into one
-:class:`~vitlab.data.read_options.ImageReadError` naming the file, the element and the value, so
+:class:`~vitlab.data.readers.errors.ImageReadError` naming the file, the element and the value, so
 ``on_bad_file="skip"`` skips the file instead of stopping a run; none reaches numpy as a string or
 as a non-finite number. The pixel data element's header is checked here too: its declared length
 against Rows x Columns x ... and against what the file holds, read in the VR encoding the file uses.
@@ -22,7 +22,7 @@ from pydicom.multival import MultiValue
 from pydicom.tag import Tag
 from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
-from vitlab.data.read_options import ImageReadError
+from vitlab.data.readers.errors import ImageReadError
 
 _INTEGER_TAGS = ("Rows", "Columns", "BitsAllocated", "BitsStored", "HighBit", "PixelRepresentation",
                  "SamplesPerPixel", "NumberOfFrames", "PlanarConfiguration")  # fmt: skip

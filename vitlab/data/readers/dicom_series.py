@@ -1,11 +1,11 @@
 """DICOM volumes: a folder holding a series, or one enhanced multi-frame file, with the geometry the headers give.
 
-The headers are read first (no pixel data; :func:`~vitlab.data.dicom.dicom_header`, which also refuses files
+The headers are read first (no pixel data; :func:`~vitlab.data.readers.dicom.dicom_header`, which also refuses files
 that cannot be decoded), grouped by SeriesInstanceUID, and the chosen series' slices ordered by the projection of
 ImagePositionPatient on the slice normal (row direction x column direction of ImageOrientationPatient), never by
 InstanceNumber or file name. Then each slice's pixels are decoded with vitlab's DICOM readers (the ``np.fromfile``
 fast path for uncompressed files, pydicom's decoders for the rest) through the modality LUT, into one
-preallocated array. Everything here is in DICOM's LPS patient space; :mod:`vitlab.data.volume` turns it into
+preallocated array. Everything here is in DICOM's LPS patient space; :mod:`vitlab.data.readers.volume` turns it into
 nibabel's RAS+.
 
 Array layout: ``array[i, j, k]`` is column ``i`` and row ``j`` of slice ``k`` (the transposed pixel array, stored
@@ -27,10 +27,11 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_modality_lut
 from pydicom.tag import Tag
 
-from vitlab.data.dicom import DicomHeader, decode, dicom_header, native_plan, native_values
-from vitlab.data.dicom_checks import numbers
-from vitlab.data.io import file_errors, image_kind
-from vitlab.data.read_options import ImageReadError, ReadOptions, VolumeError
+from vitlab.data.readers.dicom import DicomHeader, decode, dicom_header, native_plan, native_values
+from vitlab.data.readers.dicom_checks import numbers
+from vitlab.data.readers.errors import ImageReadError, VolumeError, file_errors
+from vitlab.data.readers.image import image_kind
+from vitlab.data.readers.options import ReadOptions
 
 _GEOMETRY_TAGS = [Tag(k) for k in ("SeriesInstanceUID", "ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing")]
 # native_plan resolves a display window; modality values need none, and an explicit one keeps it off the file's tags

@@ -1,6 +1,6 @@
 """Read one medical image file into a float32 array in [0, 1].
 
-DICOM goes through the radiology chain in :mod:`vitlab.data.dicom`; PNG / JPEG / TIFF are scaled
+DICOM goes through the radiology chain in :mod:`vitlab.data.readers.dicom`; PNG / JPEG / TIFF are scaled
 by the maximum of their dtype (8 or 16 bit). :func:`read_image` is the one-shot reader;
 :class:`ImageReader` is the same with fixed options and a memory of DICOM headers, for datasets
 that read every file once per epoch.
@@ -9,38 +9,25 @@ that read every file once per epoch.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitlab.data.dicom import (
+from vitlab.data.readers.dicom import (
     NativePlan,
     dicom_header,
     finite,
-    modality_values,
     native_plan,
     read_dicom,
     read_native,
 )
-from vitlab.data.read_options import (
-    WINDOW_PRESETS,
-    ImageNotFoundError,
-    ImageReadError,
-    ReadOptions,
-    frame_index,
-    min_max,
-    one_line,
-    window_values,
-)
+from vitlab.data.readers.errors import ImageNotFoundError, ImageReadError, file_errors, one_line
+from vitlab.data.readers.options import ReadOptions, frame_index
+from vitlab.data.readers.window import min_max
 
-__all__ = [
-    "WINDOW_PRESETS", "ImageNotFoundError", "ImageReadError", "ImageReader", "ReadOptions",
-    "header_info", "image_kind", "modality_values", "read_image", "read_with_options", "window_values",
-]  # fmt: skip
+__all__ = ["SUPPORTED_TYPES", "ImageReader", "header_info", "image_kind", "read_image", "read_with_options"]
 
 DICOM_SUFFIXES = (".dcm", ".dicom")
 RASTER_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
@@ -127,7 +114,7 @@ def read_image(
 
     Args:
         path: The file.
-        window: A preset name from :data:`WINDOW_PRESETS`.
+        window: A preset name from :data:`~vitlab.data.readers.window.WINDOW_PRESETS`.
         window_center: Explicit center in modality units (HU for CT).
         window_width: Explicit width (> 0).
         window_index: Window to use when the file lists several.
@@ -160,21 +147,6 @@ def read_with_options(path: str | os.PathLike, options: ReadOptions) -> np.ndarr
     with file_errors(path, "cannot read image"):
         reader = read_dicom if _checked_kind(path) == "dicom" else _read_raster
         return finite(path, reader(path, options))
-
-
-@contextmanager
-def file_errors(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """Turn any exception a malformed file provokes into an :class:`ImageReadError` naming the file.
-
-    The readers raise :class:`ImageReadError` with a precise reason for every case known; this is
-    the net under them, so that ``on_bad_file="skip"`` skips an unforeseen one too.
-    """
-    try:
-        yield
-    except ImageReadError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the file's fault, whatever the library raised
-        raise ImageReadError(f"{path}: {what} ({type(exc).__name__}: {one_line(exc)})") from None
 
 
 class ImageReader:
@@ -247,7 +219,7 @@ def _check_raster_header(path: str | os.PathLike) -> None:
 def header_info(path: str | os.PathLike) -> dict[str, Any]:
     """Cheap check of one file before training; returns ``{"patient_id": str | None}``.
 
-    DICOM: :func:`~vitlab.data.dicom.dicom_header` (no pixel data read). Raster: Pillow parses
+    DICOM: :func:`~vitlab.data.readers.dicom.dicom_header` (no pixel data read). Raster: Pillow parses
     the header only. :meth:`ImageReader.inspect` does the same and remembers the result.
 
     Raises:

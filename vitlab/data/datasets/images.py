@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import albumentations as A
@@ -12,7 +12,9 @@ import torch
 from torch.utils.data import Dataset
 
 from vitlab.data.cache import ArrayCache, MemoryCache
-from vitlab.data.io import ImageReader, ImageReadError, ReadOptions
+from vitlab.data.readers.errors import ImageReadError
+from vitlab.data.readers.image import ImageReader
+from vitlab.data.readers.options import ReadOptions
 from vitlab.data.layouts import UNLABELLED, Sample, SkippedFileWarning
 
 T = TypeVar("T")
@@ -32,11 +34,49 @@ def to_channels(image: np.ndarray, in_chans: int) -> np.ndarray:
     return (image @ _LUMA)[:, :, None]  # (H, W, 1)
 
 
+class SkippedFiles:
+    """The files a data module's datasets skipped at load time, in every process that loads them.
+
+    A file that fails only when its pixels are decoded (or its finished tensor is not finite) is skipped by whichever
+    process loads it: the training process or a loader worker. Each process warns about a file once (:meth:`add` is
+    True the first time it sees it); a file of ``paths`` is also marked in memory shared with the process that made
+    this record (one flag per file, shared before the workers start), so that process's :attr:`found` holds what
+    every worker skipped too.
+
+    Args:
+        paths: The files that may be loaded (the data module's samples); a file outside them is known to the
+            process that skipped it only.
+    """
+
+    def __init__(self, paths: Iterable[str] = ()) -> None:
+        self._paths = sorted(set(paths))
+        self._index = {path: i for i, path in enumerate(self._paths)}
+        self._marks = torch.zeros(len(self._paths), dtype=torch.bool)  # (N,) one flag per file
+        if self._paths:
+            self._marks.share_memory_()  # (before the loader workers start: they inherit the mapping)
+        self._seen: set[str] = set()  # this process's
+
+    def add(self, path: str) -> bool:
+        """Record that ``path`` was skipped; True the first time in this process (warn then)."""
+        index = self._index.get(path)
+        if index is not None:
+            self._marks[index] = True
+        first = path not in self._seen
+        self._seen.add(path)
+        return first
+
+    @property
+    def found(self) -> set[str]:
+        """Every file skipped so far, by this process or by any process that shares the record (loader workers)."""
+        marked = torch.nonzero(self._marks).flatten().tolist()
+        return self._seen | {self._paths[i] for i in marked}
+
+
 class MedicalImageDataset(Dataset):
     """Decoded, windowed, augmented images with integer labels.
 
     Under ``on_bad_file="skip"`` a file that fails to decode, or whose finished tensor holds a non-finite value,
-    is reported once per process (a :class:`SkippedFileWarning`, the path added to ``bad_paths``) and the next
+    is reported once per process (a :class:`SkippedFileWarning`, the path added to ``skipped``) and the next
     index's image is returned instead, so a bad file found only at decode time does not stop training; under
     ``"error"`` it raises a one-line :class:`ImageReadError` naming the file. No NaN or infinity reaches a batch.
 
@@ -57,10 +97,10 @@ class MedicalImageDataset(Dataset):
             image before an augmenting ``transform``, the final tensor when ``deterministic``.
         deterministic: ``transform`` gives the same output for the same input (resize + normalise: the
             validation, test and probe pipelines), so whole items can be kept.
-        bad_paths: The set that collects the files skipped at decode time (a data module shares one among its
+        skipped: The record of the files skipped at decode time (a data module shares one among its
             datasets to count them); None -> a new one.
         volumes: Where slices and slabs of volume samples (``sample.slice`` set) come from
-            (:class:`vitlab.data.volume_data.VolumeStore`).
+            (:class:`vitlab.data.datasets.slices.VolumeStore`).
     """
 
     def __init__(
@@ -77,7 +117,7 @@ class MedicalImageDataset(Dataset):
         prescale_to: int | None = None,
         memory: MemoryCache | None = None,
         deterministic: bool = False,
-        bad_paths: set[str] | None = None,
+        skipped: SkippedFiles | None = None,
         volumes=None,
     ) -> None:
         if read_options is not None and read_options.frames == "all":
@@ -93,7 +133,7 @@ class MedicalImageDataset(Dataset):
         self.reader = reader or ImageReader(self.read_options)
         self.on_bad_file = on_bad_file
         self.cache = cache
-        self.bad_paths: set[str] = set() if bad_paths is None else bad_paths  # skipped at decode time, this process
+        self.skipped = SkippedFiles() if skipped is None else skipped  # skipped at decode time
         self.prescale_to = prescale_to
         self.memory = memory
         self.deterministic = deterministic
@@ -101,6 +141,11 @@ class MedicalImageDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def bad_paths(self) -> set[str]:
+        """The files skipped at decode time so far (:attr:`SkippedFiles.found`)."""
+        return self.skipped.found
 
     def set_random_state(self, rng: np.random.Generator, py_rng) -> None:
         """Seeds every random draw of the next item (:class:`~vitlab.data.sampling.KeyedAugmentation`): here the
@@ -130,8 +175,7 @@ class MedicalImageDataset(Dataset):
                 if self.on_bad_file == "error":
                     raise
                 path = str(self.samples[candidate].path)
-                if path not in self.bad_paths:
-                    self.bad_paths.add(path)
+                if self.skipped.add(path):
                     warnings.warn(f"skipping bad file: {error}", SkippedFileWarning, stacklevel=3)
         raise RuntimeError(f"none of the {len(self)} {what} could be read (see the warnings above)")
 

@@ -15,27 +15,21 @@ column, so vitlab's patient-grouped split applies; ``mask`` is each slice's lesi
 for detection and segmentation. Everything is deterministic by ``seed``.
 
 Run ``python -m vitlab.data.synthetic --out DIR`` or call :func:`generate`;
-:func:`embedded_dataset` keeps one generated copy per parameter set in the cache folder.
+:func:`~vitlab.data.synthetic.embedded.embedded_dataset` keeps one generated copy per parameter set in the cache folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import hashlib
-import inspect
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from pydicom.uid import CTImageStorage, generate_uid
 
-from vitlab.data.cache import cache_root
-from vitlab.data.phantom import INTERCEPT_HU, LABELS, dicom_dataset, smooth_field, soft
+from vitlab.data.synthetic.phantom import INTERCEPT_HU, LABELS, dicom_dataset, smooth_field, soft
 
 GENERATOR_VERSION = 3  # bump when the generated images change
 
@@ -219,81 +213,3 @@ def generate(
     params = dict(seed=seed, patients=patients, slices=slices, size=size, difficulty=difficulty)
     (out / "dataset.json").write_text(json.dumps({"generator_version": GENERATOR_VERSION, **params}, indent=1))
     return manifest
-
-
-def embedded_dataset(**kwargs) -> Path:
-    """Manifest of the synthetic dataset for these :func:`generate` arguments, generated once.
-
-    Lives in ``$VITLAB_CACHE`` (or ``~/.cache/vitlab``) as ``embedded-<hash of the arguments>/``;
-    written into a temporary folder beside it and renamed into place, so concurrent processes
-    never see a half-written dataset (the loser of a race discards its copy).
-
-    Raises:
-        ValueError: An argument :func:`generate` does not take.
-    """
-    return _generated_once(generate, GENERATOR_VERSION, "embedded", kwargs)
-
-
-def embedded_volumes(**kwargs) -> Path:
-    """Manifest (NIfTI volumes with label maps) of the synthetic volumes for these
-    :func:`~vitlab.data.synthetic_volumes.generate_volumes` arguments, generated once as :func:`embedded_dataset`
-    (``embedded-volumes-<hash>/``; its ``manifest_dicom.csv`` lists the same patients as DICOM series)."""
-    from vitlab.data.synthetic_volumes import VOLUME_GENERATOR_VERSION, generate_volumes
-
-    return _generated_once(generate_volumes, VOLUME_GENERATOR_VERSION, "embedded-volumes", kwargs)
-
-
-def _generated_once(generator, version: int, prefix: str, kwargs: dict) -> Path:
-    params = dict(inspect.signature(generator).parameters)
-    params.pop("out")
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown:
-        raise ValueError(f"unknown embedded dataset argument(s) {unknown}; valid: {', '.join(params)}")
-    values = {name: kwargs.get(name, p.default) for name, p in params.items()}
-    values = {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
-    key = json.dumps({"version": version, **values}, sort_keys=True)
-    root = cache_root()
-    final = root / f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (final / "manifest.csv").is_file():
-        return final / "manifest.csv"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
-        generator(tmp, **values)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "manifest.csv").is_file():  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final / "manifest.csv"
-
-
-def main(argv: list[str] | None = None) -> Path:
-    """Command line: ``python -m vitlab.data.synthetic --out DIR [--seed ...]``; ``--volumes`` writes the
-    synthetic volumes of :mod:`vitlab.data.synthetic_volumes` (NIfTI and DICOM series) instead of 2-D slices."""
-    from vitlab.data.synthetic_volumes import generate_volumes
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="destination folder (new or empty)")
-    parser.add_argument("--volumes", action="store_true", help="write 3-D volumes (NIfTI + DICOM series) instead")
-    slices_only, volumes_only = inspect.signature(generate).parameters, inspect.signature(generate_volumes).parameters
-    for name in ("seed", "patients", "slices", "size", "difficulty"):
-        slice_default, volume_default = slices_only[name].default, volumes_only[name].default
-        parser.add_argument(f"--{name}", type=type(slice_default), default=None,
-                            help=f"default {slice_default} ({volume_default} with --volumes)")  # fmt: skip
-    spacing = volumes_only["spacing"].default
-    parser.add_argument("--spacing", type=float, nargs=3, default=None, metavar=("COLUMNS", "ROWS", "SLICES"),
-                        help=f"voxel size in mm, with --volumes (default {' '.join(map(str, spacing))})")  # fmt: skip
-    args = vars(parser.parse_args(argv))
-    out, volumes = args.pop("out"), args.pop("volumes")
-    if args["spacing"] is not None and not volumes:
-        parser.error("--spacing applies to --volumes only")
-    given = {name: value for name, value in args.items() if value is not None}
-    manifest = generate_volumes(out, **given) if volumes else generate(out, **given)
-    print(manifest)
-    return manifest
-
-
-if __name__ == "__main__":
-    main()

@@ -28,8 +28,8 @@ from pydicom.multival import MultiValue
 from pydicom.pixels import apply_color_lut, apply_modality_lut, get_decoder, pixel_array
 from pydicom.tag import BaseTag, Tag
 
-from vitlab.data import imagecodecs_plugin
-from vitlab.data.dicom_checks import (
+from vitlab.data.readers import codecs
+from vitlab.data.readers.dicom_checks import (
     PixelElement,
     check_pixel_data,
     check_values,
@@ -38,16 +38,9 @@ from vitlab.data.dicom_checks import (
     read_as_implicit_vr,
     read_forced,
 )
-from vitlab.data.read_options import (
-    ImageNotFoundError,
-    ImageReadError,
-    ReadOptions,
-    frame_index,
-    min_max,
-    one_line,
-    window_values,
-    window_width_problem,
-)
+from vitlab.data.readers.errors import ImageNotFoundError, ImageReadError, one_line
+from vitlab.data.readers.options import ReadOptions, frame_index
+from vitlab.data.readers.window import min_max, window_values, window_width_problem
 
 # Packages (pip names) that add a decoder for a compressed transfer syntax, by UID. vitlab installs
 # pylibjpeg-openjpeg, pyjpegls and imagecodecs (see docs/dicom.md), so
@@ -87,7 +80,7 @@ _NATIVE_LITTLE_ENDIAN = {"1.2.840.10008.1.2": False, "1.2.840.10008.1.2.1": True
 _PIXEL_DATA = Tag(0x7FE00010)
 _DEFLATED = "1.2.840.10008.1.2.1.99"  # pixel offsets in the file mean nothing: read whole
 _NOT_DICOM = "not a DICOM file (no 'DICM' preamble and file meta header)"
-imagecodecs_plugin.register()  # 12-bit JPEG Extended, JPEG Lossless (see vitlab.data.imagecodecs_plugin)
+codecs.register()  # 12-bit JPEG Extended, JPEG Lossless (see vitlab.data.readers.codecs)
 
 
 def _dicom_error(path: str | os.PathLike, exc: Exception) -> ImageReadError:
@@ -132,8 +125,8 @@ def _read_without_preamble(
 # exception on some malformed J2K and JPEG streams, and pydicom's default tries every plugin in turn.
 _PLUGIN_BY_SYNTAX = {
     "1.2.840.10008.1.2.4.50": "pillow",
-    "1.2.840.10008.1.2.4.57": imagecodecs_plugin.LABEL,
-    "1.2.840.10008.1.2.4.70": imagecodecs_plugin.LABEL,
+    "1.2.840.10008.1.2.4.57": codecs.LABEL,
+    "1.2.840.10008.1.2.4.70": codecs.LABEL,
     "1.2.840.10008.1.2.4.80": "pyjpegls",
     "1.2.840.10008.1.2.4.81": "pyjpegls",
     **dict.fromkeys(("1.2.840.10008.1.2.4.90", "1.2.840.10008.1.2.4.91", "1.2.840.10008.1.2.4.201",
@@ -145,7 +138,7 @@ def decoding_plugin(ds: Dataset) -> str:
     """pydicom's ``decoding_plugin`` for this file ("" lets pydicom choose)."""
     syntax = str(ds.file_meta.get("TransferSyntaxUID", ""))
     if syntax == "1.2.840.10008.1.2.4.51":
-        label = imagecodecs_plugin.LABEL if int(ds.get("BitsStored") or 8) > 8 else "pillow"
+        label = codecs.LABEL if int(ds.get("BitsStored") or 8) > 8 else "pillow"
     else:
         label = _PLUGIN_BY_SYNTAX.get(syntax, "")
     try:
@@ -169,7 +162,7 @@ def dicom_header(path: str | os.PathLike, extra_tags: Sequence[BaseTag] = ()) ->
     Catches from the header alone: non-DICOM files, missing pixel data, missing decoder plugins,
     truncated uncompressed pixel data (fewer bytes left than rows x columns x frames needs) and a
     declared PixelData length that is too short or runs past the end of the file. :func:`read_dicom`
-    and :class:`~vitlab.data.io.ImageReader` both start here, so they refuse the same files alike.
+    and :class:`~vitlab.data.readers.image.ImageReader` both start here, so they refuse the same files alike.
     ``extra_tags`` are read into ``ds`` too (the volume reader's geometry), in the same pass.
 
     Raises:
@@ -211,7 +204,7 @@ def decode(path: str | os.PathLike, frames: str | int, *, header_checked: bool =
 
     Args:
         path: The file.
-        frames: Frame selector (see :func:`~vitlab.data.read_options.frame_index`).
+        frames: Frame selector (see :func:`~vitlab.data.readers.options.frame_index`).
         header_checked: :func:`dicom_header` already passed on this version of the file (the reader's memory
             says so); otherwise it runs first, so that a file is refused alike by every reader and before pydicom
             reads a pixel length that the file cannot hold.
@@ -425,7 +418,7 @@ def native_plan(path: str | os.PathLike, options: ReadOptions, header: DicomHead
 def read_native(path: str | os.PathLike, plan: NativePlan, frames: str | int) -> np.ndarray:
     """Read the selected frame(s) with one ``np.fromfile``; equal to :func:`read_dicom`'s result.
 
-    Not checked for non-finite values: :class:`~vitlab.data.io.ImageReader` checks every path's result alike.
+    Not checked for non-finite values: :class:`~vitlab.data.readers.image.ImageReader` checks every path's result alike.
     """
     return _display(native_values(path, plan, frames), plan.window, plan.monochrome1, reuse=True)
 
