@@ -1,4 +1,4 @@
-"""Timing helper shared by the benchmark scripts (run them as ``python benchmarks/bench_x.py``)."""
+"""Timing helper shared by the benchmark scripts (run them as ``python benchmarks/<script>.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-epoch cost of the three Q/K/V callbacks vs one training step, side by side in one run.
 
-Goal (issue 4): QKVSnapshot + QKVDrift + QKSpectra per epoch <= one training step at batch 32 of
+Goal: QKVSnapshot + QKVDrift + QKSpectra per epoch <= one training step at batch 32 of
 swin_tiny_patch4_window7_224 (224 px, AdamW) on the same machine.
 
     python benchmarks/bench_callbacks.py [--model swin_tiny_patch4_window7_224] [--batch 32] [--repeats 2]

@@ -15,8 +15,8 @@ Before the runs, the detection quickstart's training step with its ``head_kwargs
 RoIs, one RoIAlign sample per bin) against ``heads: light``'s defaults: CPU time per step on the same real
 batches, interleaved.
 
-Goals (issue 9): each quickstart <= 5 min on 2 quiet cores; val box mAP@0.5 >= 0.5 (detection), val lesion
-Dice >= 0.6 (segmentation). Issue 24: ``configs/quickstart_volume.yaml`` (task ``volume``, 3-D lesion segmentation
+Goals: each quickstart <= 5 min on 2 quiet cores; val box mAP@0.5 >= 0.5 (detection), val lesion
+Dice >= 0.6 (segmentation); ``configs/quickstart_volume.yaml`` (task ``volume``, 3-D lesion segmentation
 with a tiny SwinUNETR) <= 5 min on 2 cores with val lesion Dice >= 0.5 on each of 3 seeds: ``--task volume --seeds
 0 1 2`` runs it once per seed (``--seed_everything``; the patient split stays ``data.seed``'s).
 """

@@ -1,6 +1,6 @@
 """Per-epoch cost of the three Q/K/V callbacks vs a 200-step Mask R-CNN epoch, side by side in one run.
 
-Goal (issue 9): QKVSnapshot + QKVDrift + QKSpectra per epoch <= 5 % of a 200-step detection epoch
+Goal: QKVSnapshot + QKVDrift + QKSpectra per epoch <= 5 % of a 200-step detection epoch
 (Mask R-CNN, swin_tiny_patch4_window7_224 backbone, torchvision's full heads, batch 4, 512 px, AdamW).
 The callbacks see the detector's backbone through vitlab.models, exactly as in training.
 

@@ -1,7 +1,7 @@
 """Benchmark: does the quickstart DINO pretraining learn? Loss, collapse signals and the teacher's k-NN per epoch.
 
 Builds the data and ``DINOModule`` of ``configs/dino_pretrain.yaml`` (any ``model.`` key can be overridden), scores
-the teacher's k-NN at random init (SPEC §9: k = 20, cosine, exp(sim / 0.07) votes, train split -> labelled val
+the teacher's k-NN at random init (DINO's: k = 20, cosine, exp(sim / 0.07) votes, train split -> labelled val
 split), trains for ``--epochs`` with the config's trainer settings (gradient clipping included) and prints per
 epoch: ``train/loss``, the per-sample and batch-mean teacher entropies (collapse signals, log K = uniform), the
 centre's norm and ``val/knn_acc``. Asserts that the loss fell and that the teacher collapsed neither to uniform

@@ -1,6 +1,6 @@
 """Benchmark: peak RSS and wall time of ``probe.py mi`` on ViT-B/16 (random weights), this tree against the baseline.
 
-Goals (issue 12 §7): peak RSS <= 2.5 GB at N = 2000 images, and wall time <= 0.5x today's at N = 600.
+Goals: peak RSS <= 2.5 GB at N = 2000 images, and wall time <= 0.5x today's at N = 600.
 Each run is a fresh ``python probe.py mi --model vit_base_patch16_224 --images DIR --num-images N`` process
 (224 px synthetic PNGs, random weights, no downloads); its peak RSS is the child's ``ru_maxrss`` (os.wait4).
 The baseline ("before") is the same command in the pre-fix code: by default ``git archive 598c802`` (the tree
@@ -51,7 +51,7 @@ def make_images(folder: Path, count: int, size: int = 224) -> Path:
     return folder
 
 
-BASELINE_COMMIT = "598c802"  # the last commit before issue 12 §7 touched probe.py mi
+BASELINE_COMMIT = "598c802"  # the last commit before probe.py mi streamed its images
 
 
 def baseline_tree(commit: str, folder: Path) -> Path:

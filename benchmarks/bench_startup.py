@@ -1,4 +1,4 @@
-"""Benchmark: probe.py start-up against ``python -c "import torch"``, measured side by side (issue 12 §4).
+"""Benchmark: probe.py start-up against ``python -c "import torch"``, measured side by side.
 
 Goals: ``probe.py --help`` <= 2x and ``probe.py spectra --checkpoint <tiny.ckpt>`` (the whole run: the spectra
 of a 2-block model are instant, so this is start-up: imports, checkpoint, model, TensorBoard writer, figures)

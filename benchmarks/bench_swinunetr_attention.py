@@ -1,6 +1,6 @@
 """Attention recording and sliding-window validation on MONAI's SwinUNETR, each against the bare call, side by side.
 
-Goals (issue 24):
+Goals:
     (a) a forward inside ``vitlab.models.record_attention`` (every window-attention block of the Swin encoder)
         <= 1.2x a plain forward of the same model and input, both under ``torch.no_grad`` in eval mode; on the
         quickstart's tiny SwinUNETR (32^3, feature size 12, batch 2) and a medium one (64^3, feature size 24,

@@ -1,6 +1,6 @@
 """Per-epoch cost of the three Q/K/V callbacks on MONAI's SwinUNETR vs a training epoch, side by side in one run.
 
-Goal (issue 24): QKVSnapshot + QKVDrift + QKSpectra per epoch (timed as ``bench_callbacks.py`` does: a snapshot
+Goal: QKVSnapshot + QKVDrift + QKSpectra per epoch (timed as ``bench_callbacks.py`` does: a snapshot
 file, a drift report and a spectra report of the Swin encoder's Q/K/V, each the fastest of ``--repeats``)
     (a) <= 5 % of one epoch of the quickstart volume run (``configs/quickstart_volume.yaml``: tiny SwinUNETR,
         32^3 volumes, feature size 12, batch 2, AdamW, cross-entropy + soft Dice);

@@ -1,4 +1,4 @@
-"""The command lines as a newcomer types them (issue 12 §1, §6, §9): shipped configs by name, probes without a
+"""The command lines as a newcomer types them: shipped configs by name, probes without a
 model argument, typed overrides, typo suggestions, empty validation, clean config.yaml after resume."""
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[
         trainer_defaults=_trainer_defaults(),
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab)."},
+        parser_kwargs={"description": "Fine-tune a Vision Transformer on medical images (vitlab).", "epilog": cli_support.configs_help()},
         args=args,
     )
     if cli.trainer.is_global_zero:
@@ -248,7 +248,7 @@ def _task_of(args: list[str] | dict[str, Any] | None) -> str:
     if isinstance(args, dict):
         task = args.get("task")
     else:
-        argv = list(sys.argv[1:] if args is None else args)
+        argv = cli_support.resolve_config_args(list(sys.argv[1:] if args is None else args))  # --config NAME: shipped
         for i, arg in enumerate(argv):
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
             if arg.split("=", 1)[0] in ("--config", "-c") and value and Path(value).is_file():

@@ -17,7 +17,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the repository's configs/ folder
+
+def _shipped_folder() -> Path:
+    """The shipped configs: the ``configs`` folder inside an installed package (the wheel maps the repository's
+    top-level ``configs/`` there, see setup.py), else the top-level ``configs/`` of the source checkout vitlab runs
+    from (an editable install or ``PYTHONPATH``). One source either way: the repository's ``configs/``."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+PACKAGE_CONFIGS = _shipped_folder()
 _ALWAYS_KNOWN = {"config", "print_config", "help", "c", "h"}
 MOVED = {"data.num_workers": "runtime.workers"}  # keys of older configs -> where they live now
 
@@ -26,7 +36,7 @@ MOVED = {"data.num_workers": "runtime.workers"}  # keys of older configs -> wher
 
 
 def config_dirs() -> list[Path]:
-    """Where ``--config NAME`` is looked up: ``./configs`` then the repository's ``configs/`` (deduplicated)."""
+    """Where ``--config NAME`` is looked up: ``./configs`` then the shipped configs (deduplicated)."""
     dirs: list[Path] = []
     for folder in (Path("configs"), PACKAGE_CONFIGS):
         if folder.is_dir() and all(folder.resolve() != d.resolve() for d in dirs):
@@ -37,6 +47,21 @@ def config_dirs() -> list[Path]:
 def shipped_configs() -> list[str]:
     """Names of the shipped configs (``quickstart``, ``medical_swin``, ...)."""
     return sorted({p.stem for d in config_dirs() for p in d.glob("*.yaml")})
+
+
+def configs_help() -> str:
+    """The ``--help`` paragraph naming the shipped configs (``--config NAME`` finds them from any folder)."""
+    names = sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
+    return (f"Shipped configs, run from any folder with --config NAME: {', '.join(names) or 'none found'}. "
+            "A configs/NAME.yaml in the current folder comes first. Your own file: --config path/to/file.yaml; "
+            "a run's config.yaml repeats that run.")
+
+
+def program_name(script: str) -> str:
+    """How the user started the command: the installed console script (``vitlab-train``, ``vitlab-probe``) by its
+    name, anything else (``python probe.py``, a test runner, ``python -m``) as the repository's ``script``."""
+    name = Path(sys.argv[0]).name.removesuffix(".exe")
+    return name if name.startswith("vitlab-") else script
 
 
 def find_config(value: str) -> str:
@@ -120,11 +145,12 @@ def parser_class() -> type:
                 return super().error(message, ex)
             problems = unknown_keys(self, self._argv)
             prog = self.prog.replace(" [options]", "")
+            prog = f"python {prog}" if prog.endswith(".py") else prog  # train.py, or the console script vitlab-train
             if problems:
                 print(f"vitlab: error: unknown option(s): {'; '.join(problems)}", file=sys.stderr)
             else:
                 print(f"vitlab: error: {short_error(message)}", file=sys.stderr)
-            print(f"  (python {prog} --help lists every option)", file=sys.stderr)
+            print(f"  ({prog} --help lists every option)", file=sys.stderr)
             sys.exit(2)
 
     VitlabArgumentParser.__qualname__ = "VitlabArgumentParser"

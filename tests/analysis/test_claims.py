@@ -1,4 +1,4 @@
-"""Claims of SPEC §10 on planted data: each must hold where planted and fail where the plant is reversed."""
+"""The papers' claims (docs/probes.md) on planted data: each must hold where planted and fail where the plant is reversed."""
 
 import math
 

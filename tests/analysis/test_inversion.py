@@ -58,7 +58,7 @@ def test_injective_patch_embedding_passes_the_criterion_and_recovers_the_image()
 
 
 def test_non_injective_layer_feature_error_vanishes_while_input_error_stays():
-    # 4x4 average pooling: 16 pixels -> 1 value, many inputs share one output (seed 003's argument)
+    # 4x4 average pooling: 16 pixels -> 1 value, many inputs share one output (the Attentionless article's argument)
     target = _smooth_images()
     pooled = invert(lambda x: F.avg_pool2d(x, 4), target, steps=300, lr=0.05, tv_weight=0.0, early_stop=False,
                     generator=torch.Generator().manual_seed(1))

@@ -287,7 +287,7 @@ def _pair(mutations: tuple[str, str], rng: np.random.Generator, path: Path) -> P
     return with_pixel_length(path, LENGTHS["huge"]) if "length" in mutations else path
 
 
-# the files issue 22 names: in every corpus, thinned or not
+# malformed files a bug report named: in every corpus, thinned or not
 ISSUE_CASES = ("ct_WindowWidth=1e-300", "gray16s12_WindowWidth=1e-300", "ct_length_huge",
                "ct_implicit_uid_ImplicitVRLittleEndian_body_ExplicitVRLittleEndian")  # fmt: skip
 

@@ -1,6 +1,6 @@
 """vitlab.data.read_volume: the geometry contract against independent computations, values, refusals, synthetic volumes.
 
-The contract (SPEC §11): ``array[i, j, k]`` is the voxel whose centre lies at ``affine @ [i, j, k, 1]`` in RAS+ mm,
+The contract (docs/volumes.md): ``array[i, j, k]`` is the voxel whose centre lies at ``affine @ [i, j, k, 1]`` in RAS+ mm,
 (x, y, z)_RAS = (-x, -y, z)_LPS. The tests plant voxels in DICOM series whose patient positions they compute
 themselves from the direction cosines, spacings and origin they chose, and look for them at ``inv(affine) @ RAS``.
 """

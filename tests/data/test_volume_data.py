@@ -1,4 +1,4 @@
-"""Volumes as training data (SPEC §11): slices and slabs against the arrays they come from, labels from masks,
+"""Volumes as training data (docs/volumes.md): slices and slabs against the arrays they come from, labels from masks,
 patient-grouped splits, the bounded volume store, refusals and skip mode, whole volumes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ablation identities (SPEC §2) and transplanting parts, on randomised tiny models of every family."""
+"""Ablation identities (docs/analyses.md) and transplanting parts, on randomised tiny models of every family."""
 
 import pytest
 import torch
@@ -66,7 +66,7 @@ def _block_input(view, batch=2):
 
 
 def _expected(family, block, x, keep):
-    """SPEC §2: a removed branch is x -> x, a removed residual x -> f(x), a removed norm the identity."""
+    """A removed branch is x -> x, a removed residual x -> f(x), a removed norm the identity."""
     norm1, branch1, norm2, branch2 = LIBRARY_PARTS[family]
     steps = ((keep["mixer"], norm1, branch1, keep["norm1"], keep["residual_mixer"]),
              (keep["mlp"], norm2, branch2, keep["norm2"], keep["residual_mlp"]))

@@ -1,5 +1,5 @@
 """Hugging Face transformers ViT / DINOv2 (+ registers) / Swin: the same oracles as the timm and torchvision
-families (SPEC §8), on tiny random models built from configs (no download)."""
+families (docs/analyses.md#oracles-the-tests-use), on tiny random models built from configs (no download)."""
 
 import math
 

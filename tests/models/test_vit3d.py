@@ -1,7 +1,7 @@
-"""The 3-D ViT (SPEC §11): token order, the inflation oracle, Q/K/V views / recording / ablation / capture
+"""The 3-D ViT (docs/models.md): token order, the inflation oracle, Q/K/V views / recording / ablation / capture
 against hand computation, and the weight paths of ``build_model("vit3d:...")``.
 
-The hand oracles are the 2-D ViT's (``tests/models/test_anatomy``, ``test_ablation``, ``test_capture``):
+The hand oracles are the 2-D ViT's (``tests/models/test_anatomy.py``, ``test_ablation.py``, ``test_capture.py``):
 a block is a block, only the token grid has three axes.
 """
 
@@ -131,7 +131,7 @@ def _twin_2d(seed=0, in_chans=3, **overrides):
 
 @pytest.mark.parametrize("in_chans", [3, 1])
 def test_inflation_oracle_identical_slices_give_the_2d_output(in_chans):
-    """SPEC §11: pooled ViT, identical slices -> the 3-D output is the 2-D output on the slice (grayscale:
+    """The inflation oracle: pooled ViT, identical slices -> the 3-D output is the 2-D output on the slice (grayscale:
     the 2-D model sees the slice repeated over its three channels)."""
     model_2d, model_3d = _twin_2d(), tiny_model("timm-vit3d", seed=5, in_chans=in_chans)
     report = load_weights(model_3d, model_2d.state_dict())

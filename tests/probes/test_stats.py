@@ -1,4 +1,5 @@
-"""probe.py mi / stats / attention / spectra / features end to end on tiny randomised models (seeds 001, 002).
+"""probe.py mi / stats / attention / spectra / features end to end on tiny randomised models (the Veta lecture;
+Philip et al.).
 
 Each subcommand runs in-process on 32 px DICOMs; its CSV numbers are checked against an independent
 computation (capture / record_attention / forward_until + the analysis functions called directly).

@@ -1,4 +1,4 @@
-"""Probes at dataset scale stream their images and keep only what each analysis needs (issue 12 §7).
+"""Probes at dataset scale stream their images and keep only what each analysis needs.
 
 The streamed results must equal the old all-in-memory computation: all images loaded at once, every
 channel of every block captured, the channel subset drawn afterwards and the estimators applied to the lot.

@@ -1,4 +1,4 @@
-"""DINO (SPEC §9): loss against its definition, centring, temperatures, stop-gradient, EMA, multi-crop, k-NN, e2e."""
+"""DINO (docs/dino.md): loss against its definition, centring, temperatures, stop-gradient, EMA, multi-crop, k-NN, e2e."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ TINY = dict(model_name="vit_tiny_patch16_224", model_kwargs=dict(img_size=32, pa
 
 
 def definition_loss(teacher, student, center, t_temp, s_temp):
-    """SPEC §9 written out: mean over pairs (global x, any x' != x) of -sum_k P_t(x)_k log P_s(x')_k, batch mean."""
+    """DINO's loss written out: mean over pairs (global x, any x' != x) of -sum_k P_t(x)_k log P_s(x')_k, batch mean."""
     terms = []
     for i, t in enumerate(teacher):
         p_t = torch.softmax((t - center) / t_temp, dim=-1)

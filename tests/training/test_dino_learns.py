@@ -1,5 +1,5 @@
-"""DINO learns (issue 10): a short seeded run on embedded-style scans lowers the loss, keeps the teacher away from
-both collapses, and the teacher's k-NN accuracy (SPEC §9's weighted k-NN, logged every epoch) stays above chance."""
+"""DINO learns: a short seeded run on embedded-style scans lowers the loss, keeps the teacher away from
+both collapses, and the teacher's k-NN accuracy (DINO's weighted k-NN, logged every epoch) stays above chance."""
 
 from __future__ import annotations
 

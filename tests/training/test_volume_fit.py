@@ -54,8 +54,6 @@ def test_dino_on_unlabelled_volumes(volumes, tmp_path):
     from tests.training.test_dino import TINY
 
     nifti = volumes.parent / "nifti"
-    extra = ["--task", "dino", "--data.sample", "slab", "--data.slab_radius", "1", "--data.labels", "false",
-             "--data.augment", "none", "--trainer.max_steps", "2", "--model.init_args", "null"]
     args = tiny_args(volumes, tmp_path, epochs=1)
     import yaml
 
@@ -64,7 +62,6 @@ def test_dino_on_unlabelled_volumes(volumes, tmp_path):
     cfg["data"].update(root=str(nifti), sample="slab", slab_radius=1, labels=False, augment="none")
     cfg["trainer"]["max_steps"] = 2
     open(args[1], "w").write(yaml.safe_dump(cfg))
-    del extra
     cli = fit(["--config", args[1]])
     assert cli.trainer.global_step == 2 and cli.datamodule.in_chans == 3
     assert len(cli.datamodule.samples("train")) == 6 * 6  # every slab of the six volumes (their label maps are not volumes)

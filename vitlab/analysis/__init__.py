@@ -1,6 +1,6 @@
 """Pure tensor analyses: tensors in, tensors / dataclasses out (no Lightning, no files, no logging).
 
-Every formula of SPEC §3-§6 lives here once; callbacks and probes gather tensors through
+Every formula of docs/analyses.md lives here once; callbacks and probes gather tensors through
 ``vitlab.models`` and call these functions.
 """
 

@@ -1,5 +1,5 @@
 """Attention in the geometry of the image: attention vs query-key distance in mm, and the three orthogonal
-planes of a 3-D token map through a query token (SPEC §11: distances in 3-D probes are millimetres)."""
+planes of a 3-D token map through a query token (distances in 3-D probes are millimetres: docs/volumes.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seeds' claims (SPEC §10) as statistics with verdict rules: numbers in, :class:`Claim` out.
+"""The papers' claims (docs/probes.md) as statistics with verdict rules: numbers in, :class:`Claim` out.
 
 Every function is pure: it takes per-row drift tensors (``row_drift`` outputs keyed by (block, matrix)),
 per-block spectral scalars or accuracies, and returns the measured value, the comparison the claim makes,

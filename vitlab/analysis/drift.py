@@ -1,4 +1,4 @@
-"""Weight drift between two snapshots of one parameter (SPEC §3, seed 000).
+"""Weight drift between two snapshots of one parameter (the Drotos poster; docs/analyses.md).
 
 A *row* is ``W[r, :]`` of an ``nn.Linear`` weight (out, in): the weights that make output unit r. The
 functions here compare the rows of a reference snapshot (e.g. the pretrained weights) with the rows of
@@ -110,7 +110,7 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
 
 
 def matrix_drift(ref: Tensor, cur: Tensor) -> dict[str, float]:
-    """Whole-matrix drift summary (the seed's "global view").
+    """Whole-matrix drift summary (the Drotos poster's "global view").
 
     Args:
         ref: reference snapshot (see :func:`row_drift` for accepted shapes).

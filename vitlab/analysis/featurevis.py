@@ -1,8 +1,9 @@
-"""Feature visualisation by input optimisation: class maximisation (seed 003) and MLP neurons (SPEC §7).
+"""Feature visualisation by input optimisation: class maximisation (the Attentionless article) and MLP
+neurons (Ghiasi et al. 2022; docs/analyses.md).
 
 Both optimise an image ``x`` in [0, 1] (pixel units; projected with ``clamp`` after every step) with Adam:
 
-- class maximisation (seed 003): loss ``(z_c(x) - T)^2`` with a large constant ``T`` (100), start
+- class maximisation (the Attentionless article): loss ``(z_c(x) - T)^2`` with a large constant ``T`` (100), start
   ``N(0.7, (1/20)^2)``, a 3x3 Gaussian blur after every step with sigma annealed 2.4 -> 0 (skipped below
   ~0.3), and from iteration ~200 a random roll of the input by up to about a patch, for the forward only
   (the gradient flows back through the roll, so the update lands on the unrolled image);
@@ -57,7 +58,7 @@ class VisRecipe:
         blur_start: Blur sigma (pixels) after step 0; 0 = no blur.
         blur_end: Blur sigma after the last step (linear in between).
         min_blur: Sigmas below this are skipped.
-        blur_kernel: Odd side of the square blur kernel (3 in the seed).
+        blur_kernel: Odd side of the square blur kernel (3 in the Attentionless article).
         jitter: Maximum roll in pixels along each axis; 0 = none.
         jitter_from: First step with jitter.
         color_shift: Per image and channel, the forward input is ``x * (1 + u) + v`` with u, v ~ U(-s, s).
@@ -236,7 +237,7 @@ def class_maximization(logits_fn: Callable[[Tensor], Tensor], classes: Sequence[
                        target: float = 100.0, recipe: VisRecipe = CLASS_RECIPE,
                        generator: torch.Generator | None = None, device: torch.device | str | None = None,
                        progress: Progress | None = None) -> VisResult:
-    """Seed 003's class visualisation: images whose class logit is driven to ``target``, one per class.
+    """The Attentionless article's class visualisation: images whose class logit is driven to ``target``, one per class.
 
     Args:
         logits_fn: Pixels (K, C, H, W) in [0, 1] -> logits (K, classes) (normalisation inside, see

@@ -1,13 +1,14 @@
-"""Representation inversion (Mahendran & Vedaldi 2015) and seed 003's invertibility criterion (SPEC §7).
+"""Representation inversion (Mahendran & Vedaldi 2015) and the Attentionless article's invertibility
+criterion (docs/analyses.md).
 
 Given a layer ``O`` and a target image ``a``, find ``a_g`` in [0, 1] minimising
 ``||O(a_g) - O(a)|| / ||O(a)|| + tv_weight * TV(a_g)`` with Adam and a cosine learning rate, starting from
-U[0, 1] noise. The seed's criterion says the layer represents ``a`` when ``||O(a) - O(a_g)||`` is below
-``||O(a) - O(a')||`` for a slightly perturbed ``a' = a + eps``, ``eps ~ N(0, sigma^2)`` in pixel units; the seed
+U[0, 1] noise. The article's criterion says the layer represents ``a`` when ``||O(a) - O(a_g)||`` is below
+``||O(a) - O(a')||`` for a slightly perturbed ``a' = a + eps``, ``eps ~ N(0, sigma^2)`` in pixel units; the article
 is ambiguous between 1/18 and 1/20 (and between std and variance), so sigma is stored, the noise distance is
-the mean over several draws, and both seed values are reported.
+the mean over several draws, and both of the article's values are reported.
 
-Reading (seed 003): feature error -> 0 with input error staying large means many inputs give one output
+Reading (the Attentionless article): feature error -> 0 with input error staying large means many inputs give one output
 (the layer is not invertible), not poor optimisation.
 
 The image is parametrised directly in pixel units and projected back onto [0, 1] (``clamp``) after each Adam
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 FeatureFn = Callable[[Tensor], Tensor]  # pixels (B, C, H, W) in [0, 1] -> features (B, ...)
-SEED_SIGMAS = (1 / 18, 1 / 20)  # the two noise levels seed 003 uses (pixel units, [0, 1] images)
+SEED_SIGMAS = (1 / 18, 1 / 20)  # the Attentionless article's two noise levels (pixel units, [0, 1] images)
 
 
 def sigma_label(sigma: float) -> str:
@@ -94,7 +95,7 @@ def noise_baseline(features: FeatureFn, pixels: Tensor, sigmas: Sequence[float] 
                    target: Tensor | None = None, generator: torch.Generator | None = None) -> dict[float, Tensor]:
     """Mean distance ``||O(a) - O(a + eps)||`` over ``draws`` noise draws, for each sigma.
 
-    The same standard-normal draws are scaled by every sigma (a' is not clamped to [0, 1]: the seed adds the
+    The same standard-normal draws are scaled by every sigma (a' is not clamped to [0, 1]: the article adds the
     noise as is).
 
     Args:
@@ -123,7 +124,7 @@ def noise_baseline(features: FeatureFn, pixels: Tensor, sigmas: Sequence[float] 
 
 @dataclass(frozen=True)
 class InversionResult:
-    """An inversion run: the generated images, per-step errors and the seed's criterion.
+    """An inversion run: the generated images, per-step errors and the article's criterion.
 
     Attributes:
         image: ``a_g`` (B, C, H, W) in [0, 1] after the last step.

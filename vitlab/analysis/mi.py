@@ -1,4 +1,4 @@
-"""Mutual information between neurons and its decay with spatial distance (SPEC §5, seed 002).
+"""Mutual information between neurons and its decay with spatial distance (Philip et al., Fig. 4; docs/analyses.md).
 
 A neuron is one (token, channel) entry of a sublayer output, observed over N images. Estimators (nats):
 
@@ -333,7 +333,7 @@ def mi_vs_distance(
     chunk: int | None = None,
     token_size: tuple[float, ...] | None = None,
 ) -> MIDistanceCurves:
-    """Mean MI between the centre token's neurons and all others, as a function of distance (seed 002).
+    """Mean MI between the centre token's neurons and all others, as a function of distance (Philip et al., Fig. 4).
 
     For each centre channel c0 (K of them, a random subset when C is larger), the centre neuron
     (c0, t0), t0 = (H//2)*W + W//2 (in N-D: g//2 along every axis, row-major), is paired with (c0, t) for every token t (same-channel curve) and with

@@ -1,6 +1,6 @@
 """Frozen-feature evaluation: k-NN and logistic-regression accuracy of features on a train/test split.
 
-Seed 001 (DINO, Table 10) judges a representation by how well a k-NN classifier and a linear classifier
+The Veta lecture (DINO's Table 10) judges a representation by how well a k-NN classifier and a linear classifier
 on frozen features do; applied per block, it shows at which depth the classes become separable and how
 fine-tuning moved that depth. Both use scikit-learn; features are float tensors (N, D), labels int (N,).
 A segmenter is judged by the Dice of each class, pooled over volumes (:func:`dice_counts`, :func:`dice_from_counts`).
@@ -132,7 +132,7 @@ def linear_probe(
 
 
 def weighted_knn(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, k: int = 20, temperature: float = 0.07) -> ProbeScore:
-    """DINO's ``eval_knn`` (SPEC §9): L2-normalised features, the k train features of highest cosine similarity
+    """DINO's ``eval_knn`` (docs/dino.md): L2-normalised features, the k train features of highest cosine similarity
     vote for their label with weight exp(sim / temperature); the class with the largest summed weight wins
     (ties: smallest label). k is capped at the number of train samples.
 

@@ -1,4 +1,4 @@
-"""Attention rollout (Abnar & Zuidema 2020) and token-grid helpers (SPEC §6)."""
+"""Attention rollout (Abnar & Zuidema 2020) and token-grid helpers (docs/analyses.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spectra of the query-key bilinear form (SPEC §4, seed 002).
+"""Spectra of the query-key bilinear form (Philip et al., Fig. 5; docs/analyses.md).
 
 Head h of an attention layer scores token pairs with logit_ij = hd^-1/2 x_i^T M_h x_j (+ bias terms), where
 M_h = Wq_h^T Wk_h (C x C) and Wq_h, Wk_h (hd x C) are the head's rows of the query / key weights. This is

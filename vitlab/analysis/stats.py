@@ -1,4 +1,5 @@
-"""Activation statistics: kurtosis, linear CKA, attention against patch-embedding angle (SPEC §5, §6)."""
+"""Activation statistics: kurtosis, linear CKA, attention against patch-embedding angle (Philip et al.; the
+definitions: docs/analyses.md)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class AngleStats:
 
 
 def attention_vs_angle(attn: Tensor, h: Tensor, bin_degrees: float = 5.0) -> AngleStats:
-    """Bin attention weights by the angle theta_ij = arccos cos(h_i, h_j) between token embeddings (seed 002).
+    """Bin attention weights by the angle theta_ij = arccos cos(h_i, h_j) between token embeddings (Philip et al.).
 
     Args:
         attn: (B, H, N, N) post-softmax attention over patch tokens only (caller drops prefix tokens).

@@ -1,4 +1,4 @@
-"""QKSpectra: the spectrum of every block's QK bilinear form W_Q W_K^T, each epoch (seed 002, Fig. 5)."""
+"""QKSpectra: the spectrum of every block's QK bilinear form W_Q W_K^T, each epoch (Philip et al., Fig. 5)."""
 
 from __future__ import annotations
 

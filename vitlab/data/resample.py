@@ -3,7 +3,7 @@
 Both keep the geometry contract of :mod:`vitlab.data.readers.volume` (``array[i, j, k]`` is the voxel whose centre lies at
 ``affine @ [i, j, k, 1]`` in RAS+ mm) by moving the affine with the array, so a resampled or cropped volume still
 places every voxel in the patient. ``data.sample: volume`` uses them to bring whole volumes to ``data.spacing`` mm
-and ``data.volume_size`` voxels (SPEC §11).
+and ``data.volume_size`` voxels (docs/volumes.md).
 """
 
 from __future__ import annotations

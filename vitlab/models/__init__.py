@@ -1,4 +1,4 @@
-"""vitlab.models: the only package that knows how timm and torchvision lay out vision transformers.
+"""vitlab.models: the only package that knows how timm, torchvision, MONAI and Hugging Face lay out vision transformers.
 
 Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normalization`,
 :func:`parameter_groups`, :func:`freeze`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.

@@ -1,4 +1,5 @@
-"""Ablating residuals, norms, attention / token mixing and MLPs of trained blocks (seed 003, SPEC §2).
+"""Ablating residuals, norms, attention / token mixing and MLPs of trained blocks (the Attentionless article;
+the identities: docs/analyses.md).
 
 A removed branch maps x -> x, a removed residual maps x -> f(x), a removed norm is the identity
 (affine part included). Blocks are patched in place on the instance (see :mod:`blockpatch`): the

@@ -33,8 +33,8 @@ __all__ = ["BACKBONE_PREFIX", "DETECTION_HEADS", "FeatureBackbone", "build_detec
 
 BACKBONE_PREFIX = "backbone.body."  # where the timm model's state dict sits inside a detector / segmenter
 
-# Head sizes: "light" fits 2 CPU cores (DESIGN.md: 0.36 s vs 2.9 s per step at 128 px, batch 8);
-# "full" is torchvision's Mask R-CNN defaults (the seed's MMDetection recipe).
+# Head sizes: "light" fits 2 CPU cores (0.36 s vs 2.9 s per step at 128 px, batch 8: docs/dense.md);
+# "full" is torchvision's Mask R-CNN defaults (the Drotos poster's MMDetection recipe).
 DETECTION_HEADS: dict[str, dict[str, Any]] = {
     "light": dict(fpn_channels=64, box_head_dim=128, mask_channels=[64, 64], anchor_base=8,
                   rpn_post_nms_top_n_train=100, rpn_post_nms_top_n_test=100, box_batch_size_per_image=32,

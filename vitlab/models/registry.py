@@ -25,7 +25,7 @@ Adding a family:
 2. import it in :func:`_builtin_families` (or :func:`_hugging_face_families` for a ``transformers`` model)
    and add it to the returned list, before any broader adapter of the same library class;
 3. add a tiny configuration to :data:`vitlab.models.testing.TINY_MODELS` and its oracles to the tests, and
-   paste the new :func:`families_table` into the README: ``tests/test_models_families.py`` fails when the
+   paste the new :func:`families_table` into the README: ``tests/models/test_families.py`` fails when the
    README copy differs (print it with ``python -c "from vitlab.models import families_table;
    print(families_table())"`` and paste it between the ``<!-- families-table:start -->`` / ``end``
    markers).

@@ -48,7 +48,7 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # 3-D families: inputs (B, C, *TINY_VOLUME_SIZE). Kept apart from TINY_MODELS, whose tests feed 2-D images.
 # The 3-D ViT is the 2-D "timm-vit" over (4, 8, 8) voxel patches (grid (2, 4, 4)), pooled without a class
-# token (the variant inflation keeps exact, SPEC §11); ``class_token=True, global_pool="token"`` adds one.
+# token (the variant inflation keeps exact, docs/models.md); ``class_token=True, global_pool="token"`` adds one.
 TINY_MODELS_3D: dict[str, tuple[str, dict[str, Any]]] = {
     "timm-vit3d": ("vit3d:vit_tiny_patch16_224",
                    dict(img_size=TINY_VOLUME_SIZE, patch_size=(4, 8, 8), embed_dim=32, depth=2, num_heads=2,

@@ -99,7 +99,7 @@ class TimmViTAdapter(_TimmPlainBlocks):
 
 class Timm3DViTAdapter(TimmViTAdapter):
     """timm ``VisionTransformer`` with a :class:`~vitlab.models.vit3d.PatchEmbed3d`: the 2-D ViT's blocks over
-    a (d, h, w) token grid (SPEC §11)."""
+    a (d, h, w) token grid (docs/models.md)."""
 
     family = "timm-vit3d"
     description = "timm VisionTransformer with a Conv3d patch embedding (vit3d:vit_*)"

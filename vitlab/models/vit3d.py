@@ -1,4 +1,4 @@
-"""The 3-D ViT: timm's ``VisionTransformer`` over volumes, with a Conv3d patch embedding (SPEC §11).
+"""The 3-D ViT: timm's ``VisionTransformer`` over volumes, with a Conv3d patch embedding (docs/models.md).
 
 A volume (B, C, D, H, W) is cut into (pd, p, p) voxel patches by :class:`PatchEmbed3d`; its tokens come in
 (d, h, w) raster order, token ``z * (h * w) + i * w + j`` being the patch at depth ``z``, row ``i``, column
@@ -189,7 +189,7 @@ def _check_width_and_depth(state: Mapping[str, Tensor], model: nn.Module, weight
 
 
 def inflate_2d_state(state_2d: Mapping[str, Tensor], model_3d: nn.Module) -> dict[str, Tensor]:
-    """Weights of a 2-D timm ViT as weights of the 3-D ViT ``model_3d`` (SPEC §11).
+    """Weights of a 2-D timm ViT as weights of the 3-D ViT ``model_3d``.
 
     The patch kernel W2 (C, in, p, p) becomes W3 (C, in, pd, p, p) = W2 / pd repeated over the patch depth
     pd, so a patch of identical slices embeds as the 2-D patch does; the 2-D position embedding (1, prefix +

@@ -148,7 +148,7 @@ def update_heatmap(fig, matrix: Any, *, title: str = "", vmin: float | None = No
 
 # ---------------------------------------------------------------------------------------- Q/K/V drift, spectra
 def local_drift_figure(block: str, grids: dict[str, list[Any]], step: int):
-    """Seed 000's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
+    """The Drotos poster's within-matrix map of one block: per metric (figure row) a heads x rows-in-head heatmap of
     Q | K | V (columns) on one colour scale from 0 to the metric's largest value, with its colour bar."""
     grids = {name: [as_array(g) for g in per_matrix] for name, per_matrix in grids.items()}
     fig = new_figure((7.2, 1.2 + 1.7 * len(grids)))
@@ -197,7 +197,7 @@ def update_local_drift_figure(fig, block: str, grids: dict[str, list[Any]], step
 
 
 def stage_curves_figure(stage: str, curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]):
-    """Seed 002's Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values.
+    """Philip et al.'s Fig. 5 for one stage: symmetric-part eigenvalues, antisymmetric |lambda|, singular values.
 
     ``curves``: block -> (eigenvalues of the symmetric part, lambda of the antisymmetric part's +-i lambda pairs,
     singular values), of the head-summed W_Q W_K^T, each descending. The y ranges end on round values (ticks;
@@ -318,7 +318,7 @@ def confusion_matrix(counts: Any, class_names: Sequence[str]) -> Heatmap:
 
 @dataclass
 class LocalDrift(Figure):
-    """Seed 000's within-matrix map of one block: ``grids`` metric -> [(heads, rows in head)] for Q, K, V."""
+    """The Drotos poster's within-matrix map of one block: ``grids`` metric -> [(heads, rows in head)] for Q, K, V."""
 
     block: str
     grids: dict[str, list[Any]]
@@ -338,7 +338,7 @@ class LocalDrift(Figure):
 
 @dataclass
 class StageCurves(Figure):
-    """Seed 002's Fig. 5 for one stage: ``curves`` block -> (symmetric-part eigenvalues, antisymmetric lambda,
+    """Philip et al.'s Fig. 5 for one stage: ``curves`` block -> (symmetric-part eigenvalues, antisymmetric lambda,
     singular values) of the head-summed W_Q W_K^T, each descending."""
 
     stage: str

@@ -1,5 +1,5 @@
 """Files a run or a probe writes: atomically (temp file + rename), so a kill never leaves a partial file under
-its final name. Tables as CSV / JSON, tensors as safetensors, matplotlib figures as PNG."""
+its final name. Tables as CSV / JSON, tensors as safetensors."""
 
 from __future__ import annotations
 
@@ -84,16 +84,6 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write JSON atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, default=_plain))
-    return Path(path)
-
-
-def save_figure(fig, path: str | os.PathLike) -> Path:
-    """Save a matplotlib figure as PNG atomically and close it."""
-    import matplotlib.pyplot as plt
-
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
     return Path(path)
 
 

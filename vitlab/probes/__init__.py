@@ -1,4 +1,4 @@
-"""``probe.py``: the seed papers' probes on any checkpoint, one subcommand each.
+"""``probe.py``: the probes of the papers behind vitlab on any checkpoint, one subcommand each.
 
 ``python probe.py --ablate attention`` (no subcommand) runs the ablation survey; ``python probe.py SUB --help``
 explains each subcommand with an example.
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from vitlab.cli_support import program_name
 
 # subcommand -> module in vitlab.probes (imported lazily so `--help` stays fast)
 SUBCOMMANDS: dict[str, str] = {
@@ -52,8 +54,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     its module, for all of them when ``argv`` is None, else for the one ``argv[0]`` names.
     """
     parser = argparse.ArgumentParser(
-        prog="probe.py",
-        description="Probe a Vision Transformer checkpoint (vitlab). `probe.py --ablate attention` = `probe.py ablate --ablate attention`.",
+        prog=program_name("probe.py"),  # vitlab-probe when installed
+        description="Probe a Vision Transformer checkpoint (vitlab). `%(prog)s --ablate attention` = `%(prog)s ablate --ablate attention`.",
     )
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
     chosen = argv[0] if argv else None

@@ -369,7 +369,7 @@ def volume_stream(args: argparse.Namespace, loaded: LoadedModel, count: int, spl
     series folders, folders holding them), else the split of the config's data.
 
     The stream's ``spacing`` is the voxel size in mm along i, j, k of every volume it gives: distances in the 3-D
-    probes are millimetres (SPEC §11). Volumes of different voxel sizes (no spacing to resample to) are refused
+    probes are millimetres (docs/volumes.md). Volumes of different voxel sizes (no spacing to resample to) are refused
     in one line when read.
 
     With data that has ``mask_classes`` (a segmentation run's) and a label map for every chosen volume, the stream's

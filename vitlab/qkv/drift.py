@@ -1,4 +1,4 @@
-"""The Q/K/V drift report (seed 000): per-row drift against a reference and the previous epoch, as TensorBoard
+"""The Q/K/V drift report (the Drotos poster): per-row drift against a reference and the previous epoch, as TensorBoard
 scalars, histograms, images and a CSV table. Shared by the QKVDrift callback and ``probe.py drift``; no Lightning here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The spectrum of every block's QK bilinear form W_Q W_K^T (seed 002, Fig. 5), reported: TensorBoard scalars,
+"""The spectrum of every block's QK bilinear form W_Q W_K^T (Philip et al., Fig. 5), reported: TensorBoard scalars,
 per-stage figures, the positive-mass map and CSV tables. Shared by the QKSpectra callback and ``probe.py spectra``;
 no Lightning here."""
 

@@ -1,4 +1,4 @@
-"""probe.py ablate / invert / visualize / filters / transplant (seed 003), end to end on tiny models."""
+"""probe.py ablate / invert / visualize / filters / transplant (the Attentionless article), end to end on tiny models."""
 
 import argparse
 import csv
