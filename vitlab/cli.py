@@ -70,6 +70,9 @@ class VitlabCLI(LightningCLI):
 
         # first: its epoch-start hook restores a resumed run's random streams before any other callback draws
         self.trainer.callbacks.insert(0, RuntimeCallback(self.runtime.figures, self.runtime.workers))
+        configured = [str(getattr(c, "class_path", c)) for c in (self.config.trainer.get("callbacks") or [])]
+        if not any("ProgressBar" in name for name in configured):
+            _progress_bar_at_log_steps(self.trainer)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -156,6 +159,18 @@ def _trains_on_gpu(accelerator: Any) -> bool:
 def _workers(workers: Any, accelerator: Any) -> int:
     """``data.num_workers`` from ``runtime.workers`` (``auto`` resolved for this machine)."""
     return Runtime(workers=workers).resolved(_trains_on_gpu(accelerator)).workers
+
+
+def _progress_bar_at_log_steps(trainer) -> None:
+    """Lightning's default progress bar redraws every step, reading the logged loss off the device each time: on a
+    GPU that waits for the step to finish before the next one is launched. The default bar is replaced by one that
+    redraws every ``log_every_n_steps`` steps (when the loss is read for the logger anyway); the caller keeps a
+    progress bar the config names."""
+    from pytorch_lightning.callbacks import TQDMProgressBar
+
+    bar = trainer.progress_bar_callback
+    if type(bar) is TQDMProgressBar and bar.refresh_rate == 1 and trainer.log_every_n_steps > 1:
+        trainer.callbacks[trainer.callbacks.index(bar)] = TQDMProgressBar(refresh_rate=trainer.log_every_n_steps)
 
 
 def _trainer_defaults() -> dict[str, Any]:

@@ -116,3 +116,28 @@ def test_bad_input_raises_one_line_errors():
         head_grid(torch.zeros(12), 5)
     with pytest.raises(ValueError, match="1-D"):
         head_grid(torch.zeros(3, 4), 3)
+
+
+def test_drift_tables_stack_matrices_of_one_width_and_match_each_matrix_alone():
+    """Blocks of two widths (a Swin's stages): the stacked computation equals :func:`matrix_drift` / :func:`row_drift`
+    of each matrix on its own, and the per-row tensors come back where asked."""
+    from vitlab.analysis import drift_tables
+
+    gen = torch.Generator().manual_seed(7)
+    ref, cur, blocks = {}, {}, []
+    for name, width, rows in (("stage0.block0", 8, 24), ("stage0.block1", 8, 24), ("stage1.block0", 16, 48)):
+        blocks.append(name)
+        for m in "qkv":
+            ref[f"{name}.{m}.weight"] = torch.randn(rows, width, generator=gen)
+            cur[f"{name}.{m}.weight"] = ref[f"{name}.{m}.weight"] + 0.1 * torch.randn(rows, width, generator=gen)
+    rows, summary = drift_tables(ref, cur, blocks, out_device="cpu")
+    assert list(summary) == [(b, m) for b in blocks for m in "qkv"]
+    for (block, m), values in summary.items():
+        alone = matrix_drift(ref[f"{block}.{m}.weight"], cur[f"{block}.{m}.weight"])
+        assert values["rel_frobenius"] == pytest.approx(alone["rel_frobenius"], rel=1e-12)
+        assert values["norm_ratio"] == pytest.approx(alone["norm_ratio"], rel=1e-12)
+        for metric in ("cosine_distance", "euclidean", "mse", "dot"):
+            assert values[metric] == pytest.approx(alone[f"{metric}_mean"], rel=1e-12)
+        per_row = row_drift(ref[f"{block}.{m}.weight"], cur[f"{block}.{m}.weight"])
+        for metric, column in per_row.items():
+            torch.testing.assert_close(rows[(block, m)][metric], column, rtol=1e-14, atol=1e-14)

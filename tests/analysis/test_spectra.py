@@ -140,3 +140,22 @@ def test_bad_shapes_raise():
         qk_spectra(torch.zeros(8, 16), torch.zeros(8, 12), 2)
     with pytest.raises(ValueError, match="num_heads=3"):
         qk_spectra(torch.zeros(8, 16), torch.zeros(8, 16), 3)
+
+
+def test_block_spectra_solve_blocks_of_one_shape_together_as_each_alone():
+    """A Swin-like state with two block shapes: the batched spectra equal :func:`qk_spectra` of each block alone."""
+    from vitlab.analysis.spectra import block_spectra
+
+    gen = torch.Generator().manual_seed(3)
+    state, heads = {}, {}
+    for name, num_heads, width in (("stage0.block0", 2, 16), ("stage0.block1", 2, 16), ("stage1.block0", 4, 32)):
+        heads[name] = num_heads
+        for m in "qk":
+            state[f"{name}.{m}.weight"] = torch.randn(width, width, generator=gen)
+    batched = block_spectra(state, heads, out_device="cpu")
+    assert list(batched) == list(heads)
+    for name, num_heads in heads.items():
+        alone = qk_spectra(state[f"{name}.q.weight"], state[f"{name}.k.weight"], num_heads)
+        for field in ("sym_eigvals", "asym_imag", "singular_values", "positive_mass", "symmetry_score", "effective_rank"):
+            torch.testing.assert_close(getattr(batched[name], field), getattr(alone, field), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(getattr(batched[name].summed, field), getattr(alone.summed, field), rtol=1e-12, atol=1e-12)

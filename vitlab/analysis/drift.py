@@ -156,25 +156,59 @@ def head_grid(values: Tensor, num_heads: int) -> Tensor:
 
 
 def drift_tables(
-    ref: dict[str, Tensor], cur: dict[str, Tensor], blocks: list[str]
+    ref: dict[str, Tensor], cur: dict[str, Tensor], blocks: list[str], out_device: str | torch.device | None = None
 ) -> tuple[dict[tuple[str, str], dict[str, Tensor]], dict[tuple[str, str], dict[str, float]]]:
     """Per-row drift and per-matrix summaries of every (block, Q|K|V) weight between two flat Q/K/V states
     (``{block}.{q|k|v}.weight`` keys, see :func:`vitlab.qkv.state.qkv_state`).
+
+    Matrices whose rows have the same width are stacked and compared in one :func:`row_drift` call, and every
+    summary is reduced in one pass per metric; the summaries reach the host in one transfer.
+
+    Args:
+        ref: Reference state.
+        cur: Current state (same keys and shapes).
+        blocks: Block names to compare.
+        out_device: Where the per-row tensors are returned (e.g. ``"cpu"`` for states on a GPU: one copy per
+            metric and row width, not one per matrix); None: where they were computed.
 
     Returns:
         rows: (block, matrix) -> ``row_drift`` output (per-row float64 tensors).
         summary: (block, matrix) -> row-metric means plus ``rel_frobenius`` (||cur - ref||_F / ||ref||_F)
         and ``norm_ratio`` (||cur||_F / ||ref||_F).
     """
+    keys = [(block, m) for block in blocks for m in _MATRICES]
+    by_width: dict[tuple[int, ...], list[tuple[str, str]]] = {}
+    for key in keys:
+        by_width.setdefault(tuple(ref[f"{key[0]}.{key[1]}.weight"].shape[1:]), []).append(key)
     rows: dict[tuple[str, str], dict[str, Tensor]] = {}
-    summary: dict[tuple[str, str], dict[str, float]] = {}
-    for block in blocks:
-        for m in _MATRICES:
-            key = f"{block}.{m}.weight"
-            rows[(block, m)] = r = row_drift(ref[key], cur[key])
-            full = drift_summary(r)
-            summary[(block, m)] = {**{name: full[f"{name}_mean"] for name in DRIFT_METRICS}, **{k: full[k] for k in MATRIX_METRICS}}
-    return rows, summary
+    columns: list[Tensor] = []  # (matrices, 2 + len(DRIFT_METRICS)) per width group
+    order: list[tuple[str, str]] = []
+    for members in by_width.values():
+        names = [f"{block}.{m}.weight" for block, m in members]
+        sizes = [ref[name].shape[0] for name in names]
+        stacked = row_drift(torch.cat([ref[name] for name in names]), torch.cat([cur[name] for name in names]))  # (sum R,)
+        device = stacked["dot"].device
+        segment = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+
+        def per_matrix(values: Tensor) -> Tensor:  # (sum R,) -> (matrices,) sums over each matrix's rows
+            return torch.zeros(len(sizes), dtype=values.dtype, device=device).index_add_(0, segment, values)
+
+        count = torch.tensor(sizes, dtype=torch.float64, device=device)
+        frob_diff = per_matrix(stacked["euclidean"].square()).sqrt()
+        frob_ref = per_matrix(stacked["ref_norm"].square()).sqrt()
+        frob_cur = per_matrix(stacked["cur_norm"].square()).sqrt()
+        columns.append(torch.stack([_ratio(frob_diff, frob_ref), _ratio(frob_cur, frob_ref),
+                                    *(per_matrix(stacked[name]) / count for name in DRIFT_METRICS)], dim=1))
+        order += members
+        if out_device is not None:
+            stacked = {name: values.to(out_device) for name, values in stacked.items()}
+        parts = {name: values.split(sizes) for name, values in stacked.items()}
+        for i, key in enumerate(members):
+            rows[key] = {name: parts[name][i] for name in parts}
+    values = torch.cat(columns).tolist() if columns else []  # one transfer for every summary
+    summary = {key: {**dict(zip(DRIFT_METRICS, row[2:])), "rel_frobenius": row[0], "norm_ratio": row[1]}
+               for key, row in zip(order, values)}
+    return {key: rows[key] for key in keys}, {key: summary[key] for key in keys}
 
 
 def extra_drift(ref: dict[str, Tensor], cur: dict[str, Tensor]) -> dict[str, float]:
@@ -182,8 +216,8 @@ def extra_drift(ref: dict[str, Tensor], cur: dict[str, Tensor]) -> dict[str, flo
 
     Absolute, not relative: biases commonly start at zero, where a relative change has no scale.
     """
-    return {
-        key: float((value.double() - ref[key].double()).norm())
-        for key, value in cur.items()
-        if not key.endswith(".weight") and key in ref
-    }
+    keys = [key for key in cur if not key.endswith(".weight") and key in ref]
+    if not keys:
+        return {}
+    norms = torch.stack([(cur[key].double() - ref[key].double()).norm() for key in keys])  # (keys,) one transfer
+    return dict(zip(keys, norms.tolist()))

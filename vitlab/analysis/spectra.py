@@ -190,6 +190,47 @@ def qk_matrices(wq: Tensor, wk: Tensor, num_heads: int) -> Tensor:
     return wq_h.to(torch.float64).mT @ wk_h.to(torch.float64)  # (H, C, C)
 
 
-def block_spectra(state: dict[str, Tensor], heads: dict[str, int]) -> dict[str, QKSpectra]:
-    """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.qkv.state.qkv_state`)."""
-    return {b: qk_spectra(state[f"{b}.q.weight"], state[f"{b}.k.weight"], h) for b, h in heads.items()}
+_FIELDS = ("sym_eigvals", "asym_imag", "singular_values", "positive_mass", "symmetry_score", "effective_rank")
+
+
+def _rows(spectra: QKSpectra, rows: slice) -> QKSpectra:
+    """The heads ``rows`` of a batch of spectra (views)."""
+    return QKSpectra(**{name: getattr(spectra, name)[rows] for name in _FIELDS})
+
+
+def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool = True,
+                  out_device: str | torch.device | None = None) -> dict[str, QKSpectra]:
+    """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.qkv.state.qkv_state`).
+
+    Blocks of one shape (heads, rows, width) are solved together: their heads are stacked into one batch of
+    QR factorisations and eigenproblems (and their head-summed matrices into another), so a ViT's twelve blocks
+    take one call per decomposition instead of twelve. Each head's problem is the one :func:`qk_spectra` solves.
+
+    Args:
+        state: Flat Q/K/V state (``{block}.q.weight`` / ``{block}.k.weight``).
+        heads: Block name -> number of heads.
+        summed: Also the head-summed spectra (``QKSpectra.summed``).
+        out_device: Where the results are returned (``"cpu"``: one copy per field and shape group); None: where
+            they were computed.
+
+    Returns:
+        Block name -> :class:`QKSpectra` (per head, with ``summed``), in the order of ``heads``.
+    """
+    groups: dict[tuple, list[str]] = {}
+    for block, num_heads in heads.items():
+        groups.setdefault((num_heads, tuple(state[f"{block}.q.weight"].shape)), []).append(block)
+    out: dict[str, QKSpectra] = {}
+    for (num_heads, _), members in groups.items():
+        split = [_split_heads(state[f"{b}.q.weight"], state[f"{b}.k.weight"], num_heads) for b in members]
+        per_head = _spectra(torch.cat([q for q, _ in split]), torch.cat([k for _, k in split]))  # (n * H, ...)
+        total = None
+        if summed:  # each block's whole (H * hd, C) weights as one "head"
+            total = _spectra(torch.stack([state[f"{b}.q.weight"].detach() for b in members]),
+                             torch.stack([state[f"{b}.k.weight"].detach() for b in members]).to(split[0][0].device))
+        if out_device is not None:
+            per_head = QKSpectra(**{name: getattr(per_head, name).to(out_device) for name in _FIELDS})
+            total = None if total is None else QKSpectra(**{name: getattr(total, name).to(out_device) for name in _FIELDS})
+        for i, block in enumerate(members):
+            head = _rows(per_head, slice(i * num_heads, (i + 1) * num_heads))
+            out[block] = QKSpectra(**{**head.__dict__, "summed": None if total is None else _rows(total, slice(i, i + 1))})
+    return {block: out[block] for block in heads}

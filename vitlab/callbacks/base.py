@@ -1,12 +1,15 @@
-"""What the Lightning callbacks share: the every-N-epochs setting, the run folder, the strategy check."""
+"""What the Lightning callbacks share: the every-N-epochs setting, the run folder, the strategy check, and the
+per-epoch work off the training thread (one capture of the Q/K/V weights per step, one worker per run)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from vitlab import models
-from vitlab.qkv.state import unwrap
+from vitlab.qkv.state import QKVCapture, unwrap
+from vitlab.qkv.worker import QKVWorker
 
 
 def check_strategy(trainer: Any, owner: str) -> None:
@@ -60,3 +63,63 @@ class EpochCallback:
 
             require_tensorboard(trainer, owner)
         self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint covers the epochs whose work it records as done: that work is on disk first."""
+        worker = getattr(trainer, "_vitlab_qkv_worker", None)
+        if worker is not None:
+            worker.flush()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        finish_epoch_work(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        finish_epoch_work(trainer, raise_errors=False)
+
+
+def shared_capture(trainer: Any, pl_module: Any) -> QKVCapture:
+    """The Q/K/V weights of this optimizer step, captured once for every Q/K/V callback that asks at this step."""
+    model = unwrap(pl_module)
+    capture = getattr(trainer, "_vitlab_qkv_capture", None)
+    if capture is None or capture.step != trainer.global_step or capture.model is not model:
+        capture = QKVCapture(model, trainer.global_step)
+        capture.model = model
+        trainer._vitlab_qkv_capture = capture
+    return capture
+
+
+def qkv_worker(trainer: Any, pl_module: Any) -> QKVWorker:
+    """The run's :class:`~vitlab.qkv.worker.QKVWorker`: a background thread when the weights are on a GPU, else
+    inline (see :mod:`vitlab.qkv.worker`)."""
+    worker = getattr(trainer, "_vitlab_qkv_worker", None)
+    if worker is None:
+        worker = QKVWorker(background=next(unwrap(pl_module).parameters()).is_cuda)
+        worker.epoch = None
+        trainer._vitlab_qkv_worker = worker
+    return worker
+
+
+def submit_epoch_work(trainer: Any, pl_module: Any, job: Callable[[], Any]) -> None:
+    """Hand one callback's work of this epoch to the run's worker. At most one epoch's work waits: the first job of
+    an epoch waits for the previous epoch's (a worker slower than the epochs makes training wait, not memory grow)."""
+    worker = qkv_worker(trainer, pl_module)
+    epoch = (trainer.current_epoch, trainer.global_step)
+    if worker.epoch != epoch:
+        worker.wait_done(worker.submitted)
+        worker.epoch = epoch
+    worker.submit(job)
+
+
+def finish_epoch_work(trainer: Any, raise_errors: bool = True) -> None:
+    """Wait for every job handed to the run's worker; then let its thread end (the end of a fit, an exception)."""
+    worker = getattr(trainer, "_vitlab_qkv_worker", None)
+    if worker is None:
+        return
+    trainer._vitlab_qkv_worker = None
+    try:
+        worker.flush()
+    except Exception:
+        if raise_errors:
+            raise
+    finally:
+        worker.close()

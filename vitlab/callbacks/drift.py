@@ -8,11 +8,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from vitlab.callbacks.base import EpochCallback
+from vitlab.callbacks.base import EpochCallback, shared_capture, submit_epoch_work
+from vitlab.callbacks.snapshot import QKVSnapshot
 from vitlab.outputs.files import save_safetensors
 from vitlab.outputs.tensorboard import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
 from vitlab.qkv.drift import drift_layout, report_drift
-from vitlab.qkv.state import head_counts, load_snapshot, qkv_state, snapshot_name, unwrap
+from vitlab.qkv.state import head_counts, load_snapshot, snapshot_name
 from vitlab.runtime import figure_worker
 
 
@@ -52,22 +53,21 @@ class QKVDrift(EpochCallback, pl.Callback):
         if not trainer.is_global_zero:
             return
         assert self._dir is not None
-        current = qkv_state(unwrap(pl_module))
+        capture = shared_capture(trainer, pl_module)
+        current = capture.tensors  # (beside the weights: the drift is computed there)
         if self.reference_file and Path(self.reference_file).is_file():
-            self._ref, _ = load_snapshot(self.reference_file)  # resumed: the same reference as before
+            reference, _ = load_snapshot(self.reference_file)  # resumed: the same reference as before
+            self._ref = {key: value.to(capture.device) for key, value in reference.items()}
         else:
             if self.reference_file:
                 raise FileNotFoundError(f"QKVDrift: reference snapshot {self.reference_file} is missing; cannot resume drift")
             self._ref = current
-            path = self._dir / snapshot_name(0)
-            if not path.exists():
-                path = self._dir / "drift_reference.safetensors"
-                save_safetensors(current, path, {"epoch": 0, "global_step": int(trainer.global_step)})
-            else:
-                exact, meta = load_snapshot(path)
-                if meta.get("dtype", "fp32") != "fp32":  # a half-precision snapshot is not an exact reference
-                    path = self._dir / "drift_reference.safetensors"
-                    save_safetensors(current, path, {"epoch": 0, "global_step": int(trainer.global_step)})
+            # the exact reference is the fit-start snapshot when a float32 one is written, else a file of its own
+            snapshots = [cb for cb in trainer.callbacks if isinstance(cb, QKVSnapshot) and cb.dtype == "fp32" and 0 in cb.written]
+            path = self._dir / (snapshot_name(0) if snapshots else "drift_reference.safetensors")
+            if not snapshots:
+                metadata = {"epoch": 0, "global_step": int(trainer.global_step)}
+                submit_epoch_work(trainer, pl_module, lambda: save_safetensors(capture.host(), path, metadata))
             self.reference_file = str(path)
         self._prev = current  # on resume: the restored weights = the end of the last finished epoch
 
@@ -75,13 +75,16 @@ class QKVDrift(EpochCallback, pl.Callback):
         completed = trainer.current_epoch + 1
         if completed % self.every_n_epochs or not trainer.is_global_zero or completed in self.logged_epochs:
             return
-        model = unwrap(pl_module)
-        current = qkv_state(model)
+        capture = shared_capture(trainer, pl_module)
+        current, reference, previous = capture.tensors, self._ref, self._prev
+        heads = head_counts(capture.model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"drift_epoch_{completed:03d}.csv" if self.write_csv else None
         worker = figure_worker(trainer)
         figures = worker is not None and figures_due(trainer, completed, self.figures_every_n_epochs)
-        report_drift(writer, self._ref, current, self._prev, head_counts(model), epoch_end_step(trainer), table, completed, self.local_maps, figures, worker)
+        step, local_maps = epoch_end_step(trainer), self.local_maps
+        submit_epoch_work(trainer, pl_module, lambda: report_drift(writer, reference, current, previous, heads, step, table, completed,
+                                                                   local_maps, figures, worker))
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

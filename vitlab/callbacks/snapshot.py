@@ -8,8 +8,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
 
-from vitlab.callbacks.base import EpochCallback
-from vitlab.qkv.state import head_counts, qkv_state, snapshot_name, unwrap
+from vitlab.callbacks.base import EpochCallback, shared_capture, submit_epoch_work
+from vitlab.qkv.state import head_counts, snapshot_name
 from vitlab.outputs.files import save_safetensors
 from vitlab.outputs.tensorboard import tensorboard_writer
 
@@ -62,24 +62,28 @@ class QKVSnapshot(EpochCallback, pl.Callback):
         self.written.append(epoch)
         if not trainer.is_global_zero:
             return
-        model = unwrap(pl_module)
+        capture = shared_capture(trainer, pl_module)  # (the copy reaches the host and the disk on the Q/K/V worker)
         dtype = _DTYPES[self.dtype]
-        tensors = {k: v.to(dtype) for k, v in qkv_state(model).items()}
         metadata = {
-            "model": str(pl_module.hparams.get("model_name", type(model).__name__)) if hasattr(pl_module, "hparams") else type(model).__name__,
-            "heads": head_counts(model),
+            "model": str(pl_module.hparams.get("model_name", type(capture.model).__name__)) if hasattr(pl_module, "hparams") else type(capture.model).__name__,
+            "heads": head_counts(capture.model),
             "epoch": epoch,
             "global_step": int(trainer.global_step),
             "dtype": self.dtype,
         }
-        save_safetensors(tensors, path, metadata)
-        if not self._size_logged:
-            self._size_logged = True
-            size_mb = path.stat().st_size / 2**20
-            rank_zero_info(f"QKVSnapshot: {len(tensors)} tensors, {size_mb:.2f} MiB per snapshot in {self._dir}")
-            writer = tensorboard_writer(trainer)
-            if writer is not None:
-                writer.add_text("qkv/snapshot", f"{len(tensors)} tensors, {size_mb:.2f} MiB per snapshot ({self.dtype}) in `{self._dir}`", 0)
+        note = None if self._size_logged else tensorboard_writer(trainer)
+        first, self._size_logged = not self._size_logged, True
+
+        def write() -> None:
+            tensors = {k: v.to(dtype) for k, v in capture.host().items()}
+            save_safetensors(tensors, path, metadata)
+            if first:
+                size_mb = path.stat().st_size / 2**20
+                rank_zero_info(f"QKVSnapshot: {len(tensors)} tensors, {size_mb:.2f} MiB per snapshot in {self._dir}")
+                if note is not None:
+                    note.add_text("qkv/snapshot", f"{len(tensors)} tensors, {size_mb:.2f} MiB per snapshot ({self.dtype}) in `{self._dir}`", 0)
+
+        submit_epoch_work(trainer, pl_module, write)
 
     def state_dict(self) -> dict[str, Any]:
         return {"written": list(self.written), "every_n_epochs": self.every_n_epochs, "dtype": self.dtype, "size_logged": self._size_logged}

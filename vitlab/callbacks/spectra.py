@@ -6,8 +6,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from vitlab.callbacks.base import EpochCallback
-from vitlab.qkv.state import head_counts, qkv_state, unwrap
+from vitlab.callbacks.base import EpochCallback, shared_capture, submit_epoch_work
+from vitlab.qkv.state import head_counts
 from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout
 from vitlab.outputs.tensorboard import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
 from vitlab.runtime import figure_worker
@@ -30,12 +30,20 @@ class QKSpectra(EpochCallback, pl.Callback):
         write_csv: Write the per-head CSV table.
         figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
             ``None``: about 5 per run.
+        device: Where the eigenproblems are solved. ``cpu`` (default): on the host, from the copy of the weights the
+            snapshot takes anyway; beside a GPU this runs on the Q/K/V worker thread, and the GPU is left to training
+            (cuSOLVER solves a batch of symmetric problems larger than 32 x 32 one matrix at a time: a ViT-B epoch
+            has 400+ of them). ``weights``: where the weights are (the GPU when training on one).
     """
 
-    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None) -> None:
+    def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None,
+                 device: str = "cpu") -> None:
         super().__init__(every_n_epochs)
         if figures_every_n_epochs is not None and figures_every_n_epochs < 1:
             raise ValueError(f"QKSpectra.figures_every_n_epochs must be >= 1 or null, got {figures_every_n_epochs}")
+        if device not in ("cpu", "weights"):
+            raise ValueError(f"QKSpectra.device must be 'cpu' or 'weights', got {device!r}")
+        self.device = device
         self.figures_every_n_epochs = figures_every_n_epochs
         self.write_csv = write_csv
         self.logged_epochs: list[int] = []
@@ -51,13 +59,19 @@ class QKSpectra(EpochCallback, pl.Callback):
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
         if not trainer.is_global_zero or epoch in self.logged_epochs:
             return
-        model = unwrap(pl_module)
-        spectra = block_spectra(qkv_state(model), head_counts(model))
+        capture = shared_capture(trainer, pl_module)
+        heads = head_counts(capture.model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
         worker = figure_worker(trainer)
         figures = worker is not None and figures_due(trainer, epoch, self.figures_every_n_epochs)
-        report_spectra(writer, spectra, epoch_end_step(trainer) if epoch else 0, table, epoch, figures, worker)
+        step, on_host = epoch_end_step(trainer) if epoch else 0, self.device == "cpu"
+
+        def report() -> None:
+            spectra = block_spectra(capture.host() if on_host else capture.tensors, heads, out_device="cpu")
+            report_spectra(writer, spectra, step, table, epoch, figures, worker)
+
+        submit_epoch_work(trainer, pl_module, report)
         write_layout_once(trainer)
         self.logged_epochs.append(epoch)
 

@@ -109,7 +109,7 @@ def report_drift(
     :class:`vitlab.runtime.FigureWorker`), else are drawn at once.
     """
     blocks = list(heads)
-    rows_ref, sum_ref = drift_tables(ref, cur, blocks)
+    rows_ref, sum_ref = drift_tables(ref, cur, blocks, out_device="cpu")  # (computed where the states are)
     sum_prev = drift_tables(prev, cur, blocks)[1] if prev is not None else None
     _log_scalars(writer, sum_ref, sum_prev, step)
     _log_extras(writer, extra_drift(ref, cur), step)

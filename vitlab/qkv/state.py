@@ -18,25 +18,88 @@ def unwrap(pl_module: Any) -> torch.nn.Module:
     return getattr(pl_module, "model", pl_module)
 
 
-def qkv_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Flat CPU float32 copies of every attention block's Q/K/V weights, biases and rel-pos tables.
-
-    Keys: ``{block}.{q|k|v}.weight`` (out, in), ``{block}.{q|k|v}.bias`` (out,) when present and
-    ``{block}.rel_pos_table`` ((2w-1)^2, heads) for Swin.
-    """
+def qkv_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The live (not copied) Q/K/V weights, biases and rel-pos tables of every attention block, under the keys of
+    :func:`qkv_state`."""
     state: dict[str, torch.Tensor] = {}
     views = models.qkv(model)
     tables = {b.name: b.rel_pos_table for b in models.blocks(model) if b.has_attention}
     for block, parts in views.items():
         for m in MATRICES:
-            state[f"{block}.{m}.weight"] = parts[m].detach().to("cpu", torch.float32, copy=True)
+            state[f"{block}.{m}.weight"] = parts[m].detach()
             bias = parts.get(f"{m}_bias")
             if bias is not None:
-                state[f"{block}.{m}.bias"] = bias.detach().to("cpu", torch.float32, copy=True)
+                state[f"{block}.{m}.bias"] = bias.detach()
         table = tables.get(block)
         if table is not None:
-            state[f"{block}.rel_pos_table"] = table.detach().to("cpu", torch.float32, copy=True)
+            state[f"{block}.rel_pos_table"] = table.detach()
     return state
+
+
+def qkv_state(model: torch.nn.Module, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
+    """Flat float32 copies of every attention block's Q/K/V weights, biases and rel-pos tables.
+
+    Keys: ``{block}.{q|k|v}.weight`` (out, in), ``{block}.{q|k|v}.bias`` (out,) when present and
+    ``{block}.rel_pos_table`` ((2w-1)^2, heads) for Swin.
+
+    Args:
+        model: A supported model.
+        device: Where the copies go (default the CPU); None: beside the weights (see :class:`QKVCapture` for a
+            copy that never waits for the device).
+    """
+    return {key: value.to(value.device if device is None else device, torch.float32, copy=True)
+            for key, value in qkv_views(model).items()}
+
+
+class QKVCapture:
+    """A copy of the Q/K/V state taken beside the weights without waiting for the device, and its host copy.
+
+    Taking it launches one concatenation into a flat float32 buffer on the weights' device (on a GPU, queued behind
+    the training step that produced the weights; the host does not wait). :meth:`host` then copies the buffer to
+    pinned host memory and waits for that copy only: call it off the training thread (the Q/K/V callbacks' worker).
+    Both dictionaries hold views of one flat buffer each, under :func:`qkv_state`'s keys.
+
+    Args:
+        model: A supported model.
+        step: The optimizer step the weights belong to (for whoever shares the capture).
+    """
+
+    def __init__(self, model: torch.nn.Module, step: int = 0) -> None:
+        views = qkv_views(model)
+        self.step = step
+        self.keys = list(views)
+        self.shapes = [tuple(v.shape) for v in views.values()]
+        flat = torch.cat([v.reshape(-1).float() for v in views.values()])  # (total,) one kernel on the device
+        if flat.data_ptr() in {v.data_ptr() for v in views.values()}:  # one tensor: cat may return it as it is
+            flat = flat.clone()
+        self.device = flat.device
+        self._flat = flat
+        self.tensors = self._split(flat)
+        self._event = None
+        if flat.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host: dict[str, torch.Tensor] | None = None
+
+    def _split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+        return {k: part.view(shape) for k, part, shape in zip(self.keys, flat.split(sizes), self.shapes)}
+
+    def host(self) -> dict[str, torch.Tensor]:
+        """The state in host memory (on the CPU: :attr:`tensors` themselves). Waits for the copy, not the training."""
+        if self._host is None:
+            if self._flat.is_cuda:
+                buffer = torch.empty(self._flat.shape, dtype=torch.float32, pin_memory=True)
+                with torch.cuda.device(self._flat.device):
+                    torch.cuda.current_stream().wait_event(self._event)
+                    buffer.copy_(self._flat, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                done.synchronize()
+                self._host = self._split(buffer)
+            else:
+                self._host = self.tensors
+        return self._host
 
 
 def head_counts(model: torch.nn.Module) -> dict[str, int]:

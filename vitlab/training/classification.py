@@ -16,6 +16,7 @@ from torchmetrics.classification import (
 
 from vitlab import models
 from vitlab.training.base import TaskModule, warmup_cosine
+from vitlab.training.outputs import EpochOutputs
 
 __all__ = ["ClassificationModule", "warmup_cosine"]
 
@@ -75,37 +76,48 @@ class ClassificationModule(TaskModule):
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
         self.val_confusion = MulticlassConfusionMatrix(num_classes)
+        # each step's probabilities and labels stay on the device; the metrics get them once per epoch
+        self.outputs = {stage: EpochOutputs(getattr(self, f"_update_{stage}")) for stage in ("train", "val", "test")}
+
+    def _update_train(self, probs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.train_metrics.update(probs, labels)
+
+    def _update_val(self, probs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.val_metrics.update(probs, labels)
+        self.val_confusion.update(probs, labels)
+
+    def _update_test(self, probs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.test_metrics.update(probs, labels)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, K)
         return self.model(images)
 
-    def _step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, stage: str
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
+        """Loss of one batch; its probabilities and labels are kept on the device for the epoch's metrics (no
+        host-device synchronisation here: see :mod:`vitlab.training.outputs`)."""
         images, labels = batch  # (B, C, H, W), (B,)
         logits = self(images)  # (B, K)
         train = stage == "train"
         loss = F.cross_entropy(logits, labels, weight=self.class_weights if train else None,
                                label_smoothing=self.hparams.label_smoothing if train else 0.0)
-        probs = logits.detach().float().softmax(dim=-1)
-        metrics.update(probs, labels)
+        self.outputs[stage].append(logits.detach().float().softmax(dim=-1), labels)  # (B, K), (B,)
         on_step = stage == "train"
         self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, batch_size=len(labels), sync_dist=not on_step)
-        return loss, probs, labels
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss, _, _ = self._step(batch, self.train_metrics, "train")
         return loss
 
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
     def on_train_epoch_end(self) -> None:
+        self.outputs["train"].flush()
         self.log_dict(self.train_metrics.compute(), sync_dist=True)
         self.train_metrics.reset()
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        _, probs, labels = self._step(batch, self.val_metrics, "val")
-        self.val_confusion.update(probs, labels)
+        self._step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
+        self.outputs["val"].flush()
         values = self.val_metrics.compute()
         self.log_dict(values, prog_bar=False, sync_dist=True)
         self.val_metrics.reset()
@@ -123,8 +135,9 @@ class ClassificationModule(TaskModule):
         return {"val/confusion_matrix": confusion_matrix(self._confusion, self.class_names)}
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self._step(batch, self.test_metrics, "test")
+        self._step(batch, "test")
 
     def on_test_epoch_end(self) -> None:
+        self.outputs["test"].flush()
         self.log_dict(self.test_metrics.compute(), sync_dist=True)
         self.test_metrics.reset()

@@ -132,6 +132,7 @@ class DINOModule(TaskModule):
                                    global_scale=tuple(global_scale), local_scale=tuple(local_scale), contrast=contrast, noise=noise)
         self._val_features: list[torch.Tensor] = []
         self._val_labels: list[torch.Tensor] = []
+        self._momenta: list[float] = []  # this epoch's EMA momentum per step (logged as their mean)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, D) student features
         return models.pooled_features(self.model, images)
@@ -182,12 +183,20 @@ class DINOModule(TaskModule):
         self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
         self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
         self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
-        self.log("dino/teacher_temp", temp, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
         return loss
 
     def on_train_epoch_start(self) -> None:
         # the teacher runs without stochastic depth / dropout (DINO builds it without drop_path)
         self.teacher_model.eval()  # (the head keeps train mode: with head_batch_norm it normalises by batch statistics)
+        self._momenta: list[float] = []
+
+    def on_train_epoch_end(self) -> None:
+        """The epoch's teacher temperature and mean EMA momentum: Python numbers, logged once per epoch (a number logged
+        each step would be copied to the device each step, which waits for it)."""
+        self.log("dino/teacher_temp", self.teacher_temp(), sync_dist=True)
+        momenta = getattr(self, "_momenta", [])
+        if momenta:
+            self.log("dino/momentum", sum(momenta) / len(momenta), sync_dist=True)
 
     def on_after_backward(self) -> None:
         self.head.cancel_last_layer_gradients(self.current_epoch)
@@ -196,7 +205,7 @@ class DINOModule(TaskModule):
         m = self.momentum()
         update_momentum(self.model, self.teacher_model, m)
         update_momentum(self.head, self.teacher_head, m)
-        self.log("dino/momentum", m, on_step=False, on_epoch=True, sync_dist=True)  # (epoch means over the ranks)
+        self._momenta.append(m)
 
     def setup(self, stage: str) -> None:
         every = self.hparams.knn_every_n_epochs

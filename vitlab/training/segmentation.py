@@ -84,6 +84,9 @@ class SegmentationModule(TaskModule):
                                             weights=backbone.weights, decoder_channels=decoder_channels,
                                             model_kwargs=backbone.model_kwargs)
         self._intervene()
+        # on the module's device with it (not rebuilt from the list each step: a host-to-device copy waits for the GPU)
+        self.register_buffer("loss_weights", None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32),
+                             persistent=False)
         self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
         k = num_classes + 1
         for stage in ("val", "test"):
@@ -113,9 +116,7 @@ class SegmentationModule(TaskModule):
         return segment_logits(self.model, images, self.hparams.sliding_window, self.hparams.sliding_overlap)
 
     def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        weights = self.hparams.class_weights
-        weight = None if weights is None else torch.tensor(weights, dtype=torch.float32, device=logits.device)
-        return F.cross_entropy(logits.float(), mask, weight=weight) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
+        return F.cross_entropy(logits.float(), mask, weight=self.loss_weights) + self.hparams.dice_weight * soft_dice_loss(logits, mask)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, targets = batch

@@ -1,0 +1,386 @@
+"""vitlab on one GPU against a bare bf16 loop of the same model, side by side on the same machine.
+
+    python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
+                                   [--variants nocallbacks gpuspectra compile nondeterministic] [--out DIR]
+    python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
+
+What it runs (about 5 minutes on one H100 / H200):
+
+1. **Data made on this machine**, by vitlab's synthetic generators in one process per core: ``--train-images``
+   plus a quarter as many validation slices of 224 px DICOM (ViT), ``--volumes`` CT volumes of 112^3 voxels at
+   the SwinUNETR recipe's spacing (1.5 x 1.5 x 2 mm).
+2. **Bare loops** in this process: the same model (``vitlab.models.build_model``, so the same architecture and
+   drop path), the same batch, bf16 autocast, AdamW with fused kernels, cross-entropy (MONAI's ``DiceCELoss`` for
+   SwinUNETR), random tensors already on the GPU; nothing else. Training images/s and (ViT) the forward-only
+   images/s a validation pass would reach.
+3. **vitlab runs**, each ``python train.py``'s fit in a fresh process (``vitlab.cli.fit``): ViT-B/16 at 224 with
+   batch 64 from ``configs/medical_vit.yaml`` (random init, bf16-mixed), SwinUNETR feature size 48 on random
+   96^3 patches with batch 2 from ``configs/medical_swinunetr.yaml`` (bf16-mixed), ``runtime: auto``, for
+   ``--epochs`` epochs; the first is the warm-up and is left out. Per epoch, with the GPU synchronised at the
+   epoch's edges only: images/s of the training steps (first batch start to last batch end), whole-epoch images/s
+   (epoch start to the next epoch start: validation, callbacks and checkpoints included), the training loop's
+   wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
+   start, the seconds the epoch's checkpoints take, and the peak GPU memory.
+4. **Variants** (``--variants``): ``nocallbacks`` the same ViT run without the Q/K/V callbacks (the difference in
+   epoch time is their whole cost, the GPU's share included); ``gpuspectra`` with the QK spectra's eigenproblems
+   solved on the GPU (``QKSpectra(device="weights")``) instead of the host's cores; ``compile`` with ``model.compile: true``;
+   ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``.
+
+It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
+(training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
+validation images; Q/K/V callbacks <= 1 % of a ViT epoch; loader wait <= 5 % of the step time), and writes it as
+JSON to ``--out``. Without a CUDA GPU it says so in one line and exits 0; without one of vitlab's dependencies it
+names the missing ones in one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NEEDED = ("torch", "timm", "pytorch_lightning", "torchmetrics", "albumentations", "pydicom", "nibabel", "monai",
+          "jsonargparse", "lightly", "pycocotools", "safetensors", "tensorboard", "matplotlib", "scipy", "sklearn")
+
+# the two workloads: full scale, and a tiny one for --smoke (CPU, float32)
+SIZES = {
+    "full": {
+        "vit": {"model": "vit_base_patch16_224", "kwargs": {"drop_path_rate": 0.1}, "image": 224, "chans": 3, "batch": 64},
+        "swinunetr": {"kwargs": {"img_size": 96, "feature_size": 48, "depths": [2, 2, 2, 2], "num_heads": [3, 6, 12, 24],
+                                 "drop_rate": 0.0}, "patch": 96, "volume": 112, "slices": 112, "batch": 2},
+        "precision": "bf16-mixed", "bare_steps": 40, "slice_size": 224,
+    },
+    "smoke": {
+        "vit": {"model": "vit_tiny_patch16_224", "kwargs": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2,
+                                                            "num_heads": 2, "drop_path_rate": 0.1}, "image": 32, "chans": 3, "batch": 8},
+        "swinunetr": {"kwargs": {"img_size": 32, "feature_size": 12, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 1, 1],
+                                 "window_size": 4, "drop_rate": 0.0, "norm_name": ["group", {"num_groups": 4}]},
+                      "patch": 32, "volume": 40, "slices": 40, "batch": 2},
+        "precision": "32-true", "bare_steps": 3, "slice_size": 32,
+    },
+}
+
+FIT_CHILD = r"""
+import functools, json, sys, time
+from vitlab.runtime import prepare_process
+prepare_process()
+import torch
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loops import fetchers
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+class EpochTimer(pl.Callback):
+    '''Per training epoch: its steps' span, the span to the next epoch start, images, loader wait, callbacks.'''
+    def __init__(self):
+        self.epochs, self.current, self.fit_start = [], None, {}
+    def on_train_epoch_start(self, trainer, pl_module):
+        sync()
+        now = time.perf_counter()
+        if self.current is not None:
+            self.current["epoch_s"] = now - self.current["start"]
+            self.epochs.append(self.current)
+        self.current = {"start": now, "images": 0, "steps": 0, "first": None, "last": None}
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.current["first"] is None:
+            sync()
+            self.current["first"] = time.perf_counter()
+        self.current["images"] += len(batch[0])
+        self.current["steps"] += 1
+    def on_train_epoch_end(self, trainer, pl_module):  # (first of the epoch-end hooks: this callback is listed first)
+        sync()
+        self.current["last"] = time.perf_counter()
+    def on_fit_end(self, trainer, pl_module):
+        sync()
+        if self.current is not None:
+            self.current["epoch_s"] = time.perf_counter() - self.current["start"]
+            self.epochs.append(self.current)
+
+spans = {"fetch": [], "callbacks": [], "checkpoints": [], "fit_start": []}
+def timed(owner, name, key):
+    original = getattr(owner, name)
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spans[key].append((time.perf_counter(), time.perf_counter() - start))
+    setattr(owner, name, wrapper)
+
+from vitlab.callbacks import QKSpectra, QKVDrift, QKVSnapshot
+timed(fetchers._PrefetchDataFetcher, "__next__", "fetch")
+timed(ModelCheckpoint, "_save_checkpoint", "checkpoints")
+for cls in (QKVSnapshot, QKVDrift, QKSpectra):
+    timed(cls, "on_train_epoch_end", "callbacks")
+    timed(cls, "on_fit_start", "fit_start")
+
+from vitlab.cli import fit
+cli = fit(sys.argv[1:])
+timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, EpochTimer))
+out = []
+for epoch in timer.epochs:
+    end = epoch["start"] + epoch["epoch_s"]
+    inside = lambda key: [s for t, s in spans[key] if epoch["start"] <= t <= end]
+    out.append({"images": epoch["images"], "steps": epoch["steps"], "train_s": epoch["last"] - epoch["first"],
+                "epoch_s": epoch["epoch_s"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
+                "checkpoints_s": sum(inside("checkpoints"))})
+memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
+                              "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
+                              "val_images": len(cli.datamodule.samples("val"))}))
+"""
+
+
+def missing_dependencies() -> list[str]:
+    return [name for name in NEEDED if importlib.util.find_spec(name) is None]
+
+
+# ---------------------------------------------------------------------------------------------- data
+def _slices_shard(args: tuple[str, int, int, int]) -> str:
+    from vitlab.data.synthetic import generate
+
+    out, seed, patients, size = args
+    return str(generate(out, seed=seed, patients=patients, slices=6, size=size))
+
+
+def _volumes_shard(args: tuple[str, int, int, int, int]) -> str:
+    from vitlab.data.synthetic_volumes import generate_volumes
+
+    out, seed, patients, size, slices = args
+    return str(generate_volumes(out, seed=seed, patients=patients, size=size, slices=slices, spacing=(1.5, 1.5, 2.0)))
+
+
+def make_data(kind: str, root: Path, count: int, size: dict, processes: int) -> Path:
+    """``count`` training items (and a quarter more for validation) in shards written in parallel; one manifest."""
+    shards = max(1, min(processes * 2, count // 8))
+    if kind == "vit":
+        patients = max(2, -(-int(count * 1.25) // (6 * shards)))
+        jobs = [(str(root / f"s{i:02d}"), i, patients, size["slice_size"]) for i in range(shards)]
+        work = _slices_shard
+    else:
+        patients = max(1, -(-count // shards))
+        volume = size["swinunetr"]
+        jobs = [(str(root / f"s{i:02d}"), i, patients, volume["volume"], volume["slices"]) for i in range(shards)]
+        work = _volumes_shard
+    with ProcessPoolExecutor(max_workers=min(processes, shards)) as pool:
+        manifests = list(pool.map(work, jobs))
+    rows, header = [], None
+    for manifest in manifests:
+        with open(manifest, newline="") as handle:
+            reader = csv.reader(handle)
+            header = next(reader)
+            for row in reader:
+                shard = Path(manifest).parent.name
+                rows.append([f"{shard}/{v}" if k in ("path", "mask") and v else v for k, v in zip(header, row)])
+    combined = root / "manifest.csv"
+    with open(combined, "w", newline="") as handle:
+        csv.writer(handle).writerows([header, *rows])
+    return combined
+
+
+# ---------------------------------------------------------------------------------------------- bare loops
+def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float]:
+    """Training images/s of forward + backward + fused AdamW on random tensors on the device (and for ViT the
+    forward-only images/s of a validation pass)."""
+    import torch
+
+    from vitlab.models import build_model
+
+    torch.manual_seed(0)
+    bf16 = size["precision"].startswith("bf16")
+    spec = size[kind]
+    if kind == "vit":
+        model = build_model(spec["model"], num_classes=2, in_chans=spec["chans"], **spec["kwargs"]).to(device)
+        x = torch.randn(spec["batch"], spec["chans"], spec["image"], spec["image"], device=device)
+        y = torch.randint(0, 2, (spec["batch"],), device=device)
+        loss_fn = torch.nn.functional.cross_entropy
+    else:
+        from monai.losses import DiceCELoss
+
+        model = build_model("monai:swin_unetr", 2, 1, **spec["kwargs"]).to(device)
+        p = spec["patch"]
+        x = torch.randn(spec["batch"], 1, p, p, p, device=device)
+        y = torch.randint(0, 2, (spec["batch"], 1, p, p, p), device=device)
+        loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def step() -> None:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(max(3, steps // 4)):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    out = {"train_ips": steps * len(x) / (time.perf_counter() - start)}
+    if kind == "vit":
+        model.eval()
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            for _ in range(3):
+                model(x)
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                model(x)
+            sync()
+        out["eval_ips"] = steps * len(x) / (time.perf_counter() - start)
+    del model, opt
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- vitlab runs
+def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: dict, epochs: int, accelerator: str) -> list[str]:
+    spec = size[kind]
+    common = ["--trainer.max_epochs", str(epochs), "--trainer.accelerator", accelerator, "--trainer.devices", "1",
+              "--trainer.precision", size["precision"], "--trainer.logger.init_args.save_dir", str(save_dir),
+              "--trainer.logger.init_args.name", f"{kind}-{variant}", "--trainer.enable_model_summary", "false",
+              "--data.root", str(manifest), "--data.batch_size", str(spec["batch"])]
+    if kind == "vit":
+        args = ["--config", str(ROOT / "configs" / "medical_vit.yaml"), "--model.model_name", spec["model"],
+                "--model.pretrained", "false", "--model.model_kwargs", json.dumps(spec["kwargs"]),
+                "--data.image_size", str(spec["image"]), "--data.val_fraction", "0.2", *common]
+    else:
+        p = spec["patch"]
+        args = ["--config", str(ROOT / "configs" / "medical_swinunetr.yaml"), "--model.weights", "null",
+                "--model.model_kwargs", json.dumps(spec["kwargs"]), "--model.sliding_window", json.dumps([p, p, p]),
+                "--data.patch_size", json.dumps([p, p, p]), "--data.val_fraction", "0.1", "--trainer.limit_val_batches", "0",
+                *common]
+    if variant == "compile":
+        args += ["--model.compile", "true"]
+    if variant == "nondeterministic":
+        args += ["--trainer.deterministic", "false"]
+    callbacks = [{"class_path": "__main__.EpochTimer"}]  # (first: its epoch-end hook runs before the others')
+    if variant != "nocallbacks":
+        callbacks += [{"class_path": f"vitlab.callbacks.{name}"} for name in ("QKVSnapshot", "QKVDrift", "QKSpectra")]
+    if variant == "gpuspectra":  # the eigenproblems on the GPU instead of the host's cores
+        callbacks[-1]["init_args"] = {"device": "weights"}
+    callbacks.append({"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "epoch"}})
+    return args + ["--trainer.callbacks", json.dumps(callbacks)]
+
+
+def vitlab_run(args: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench_gpu: the vitlab run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def summarise(run: dict) -> dict[str, float]:
+    """Means over the epochs after the first (the warm-up)."""
+    epochs = run["epochs"][1:] or run["epochs"]
+    images = sum(e["images"] for e in epochs)
+    steps = sum(e["steps"] for e in epochs)
+    train_s, epoch_s = sum(e["train_s"] for e in epochs), sum(e["epoch_s"] for e in epochs)
+    return {"train_ips": images / train_s, "epoch_ips": images / epoch_s, "epoch_s": epoch_s / len(epochs),
+            "images_per_epoch": images / len(epochs), "fetch_ms_per_step": 1e3 * sum(e["fetch_s"] for e in epochs) / steps,
+            "step_ms": 1e3 * train_s / steps, "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
+            "checkpoints_s_per_epoch": sum(e["checkpoints_s"] for e in epochs) / len(epochs),
+            "fit_start_callbacks_s": run["fit_start_callbacks_s"], "peak_gib": run["peak_gib"], "workers": run["workers"],
+            "threads": run["threads"], "val_images": run["val_images"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", nargs="+", choices=["vit", "swinunetr"], default=["vit", "swinunetr"])
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per vitlab run; the first is left out (default 3)")
+    parser.add_argument("--train-images", type=int, default=5120, help="ViT training slices (a quarter more for validation)")
+    parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
+    parser.add_argument("--variants", nargs="*", default=["nocallbacks", "gpuspectra", "compile", "nondeterministic"],
+                        choices=["nocallbacks", "gpuspectra", "compile", "nondeterministic"], help="runs beside the default ones")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
+    parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
+    args = parser.parse_args()
+
+    missing = missing_dependencies()
+    if missing:
+        print(f"bench_gpu: missing Python packages {', '.join(missing)}: install vitlab's dependencies "
+              "(pip install -e . -c constraints.txt) or put their wheels on PYTHONPATH", file=sys.stderr)
+        sys.exit(2)
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing measured")
+        return
+    size = SIZES["smoke" if args.smoke else "full"]
+    device, accelerator = ("cpu", "cpu") if args.smoke else ("cuda", "gpu")
+    card = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke test)"
+    if args.smoke:
+        args.train_images, args.volumes, args.epochs = min(args.train_images, 64), min(args.volumes, 4), min(args.epochs, 2)
+    root = args.out or Path(tempfile.mkdtemp(prefix="vitlab-bench-gpu-"))
+    root.mkdir(parents=True, exist_ok=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    print(f"bench_gpu: {card}, {cores} cores, torch {torch.__version__}; data and runs in {root}", flush=True)
+    results: dict[str, dict] = {"card": card, "cores": cores}
+    for kind in args.task:
+        start = time.perf_counter()
+        count = args.train_images if kind == "vit" else args.volumes
+        manifest = make_data(kind, root / f"data-{kind}", count, size, cores)
+        print(f"  {kind}: data made in {time.perf_counter() - start:.0f} s ({manifest})", flush=True)
+        bare = bare_loop(kind, size, device, size["bare_steps"])
+        results[f"{kind}/bare"] = bare
+        print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
+        variants = ["default"] + [v for v in args.variants if (v == "nondeterministic") == (kind == "swinunetr")]
+        for variant in variants:
+            run = vitlab_run(vitlab_args(kind, variant, manifest, root / "runs", size, args.epochs, accelerator))
+            results[f"{kind}/{variant}"] = summary = summarise(run)
+            print(f"  {kind} {variant}: {summary['train_ips']:.1f} images/s in training steps, "
+                  f"{summary['epoch_ips']:.1f} per whole epoch", flush=True)
+    report(results, args)
+    (root / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+    print(f"bench_gpu: results in {root / 'bench_gpu.json'}")
+
+
+def report(results: dict, args) -> None:
+    print(f"\nbench_gpu on {results['card']} ({results['cores']} cores); vitlab = mean of epochs 2..{args.epochs}")
+    for kind in args.task:
+        bare = results[f"{kind}/bare"]
+        for name, run in results.items():
+            if not name.startswith(f"{kind}/") or name.endswith("/bare"):
+                continue
+            print(f"{name:28s} steps {run['train_ips']:8.1f} img/s = {run['train_ips'] / bare['train_ips']:5.2f}x bare "
+                  f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s; step {run['step_ms']:6.1f} ms, "
+                  f"loader wait {run['fetch_ms_per_step']:5.2f} ms/step ({run['fetch_ms_per_step'] / run['step_ms']:5.1%}); "
+                  f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
+                  f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch; "
+                  f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB")
+        if kind == "vit" and "eval_ips" in bare:
+            run = results["vit/default"]
+            bare_epoch = run["images_per_epoch"] / bare["train_ips"] + run["val_images"] / bare["eval_ips"]
+            print(f"vit whole epoch: {run['epoch_s']:.2f} s against the bare loop's {bare_epoch:.2f} s for the same training and "
+                  f"validation images = {bare_epoch / run['epoch_s']:.2f}x (target >= 0.8x)")
+            if "vit/nocallbacks" in results:
+                cost = run["epoch_s"] - results["vit/nocallbacks"]["epoch_s"]
+                print(f"vit Q/K/V callbacks' whole cost: {cost:+.3f} s per epoch = {cost / run['epoch_s']:+.1%} of it "
+                      f"(epoch with them against without; target <= 1 %)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""vitlab's host-side cost per training step: its classification fit against a bare loop of the same tiny model.
+
+    python benchmarks/bench_step_overhead.py [--steps 200] [--repeats 3] [--threads 1]
+
+The model is tiny (a one-block ViT, embed dim 16, 16 px, batch 2), so compute is close to zero and what remains
+per step is what runs around it on the host. On a GPU that host time is what keeps the device waiting when it
+exceeds the step's kernels, so this is the CPU-side check of GPU overhead that needs no GPU. Each side runs in its
+own process, one after the other, ``--repeats`` times (the fastest of each reported):
+
+1. a bare loop: ``vitlab.models.build_model`` of the same model, AdamW over the same parameter groups,
+   cross-entropy, forward + backward + step on one random batch held in memory;
+2. ``vitlab.cli.fit`` on the quickstart's embedded data (images prescaled to 16 px, ``augment: none``, decoded
+   images cached in memory), with the quickstart's callbacks (Q/K/V snapshot, drift, spectra, learning-rate
+   monitor), two checkpointers, the run-time callback, TensorBoard logging every 5 steps and the progress bar;
+   ``--workers``: loader worker processes (0: batches made in the training process).
+
+It prints the median time per step of each (the fit's step: from one ``on_train_batch_start`` to the next, in the
+second epoch, so epoch ends and the first steps are left out), the difference (vitlab's cost per step), and that
+difference split into the batch fetch (the loader in the training process: collate, no augmentation), the step
+itself (forward, backward, optimizer, per-step hooks) and the rest (Lightning's loop, logging, progress bar).
+
+Goal: the difference <= 2 ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"model_name": "vit_tiny_patch16_224",
+         "model_kwargs": {"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 1, "drop_path_rate": 0.0}}
+BATCH = 2
+
+BARE = r"""
+import json, statistics, sys, time
+from vitlab.runtime import prepare_process
+prepare_process()
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+from vitlab.models import build_model, parameter_groups
+model_cfg = json.loads(sys.argv[3])
+torch.manual_seed(0)
+model = build_model(model_cfg["model_name"], num_classes=2, in_chans=1, **model_cfg["model_kwargs"])
+groups = parameter_groups(model, weight_decay=0.05)
+opt = torch.optim.AdamW(groups, lr=1e-3)
+x = torch.randn(int(sys.argv[4]), 1, 16, 16)
+y = torch.randint(0, 2, (int(sys.argv[4]),))
+def step():
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range(20):
+    step()
+times = []
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print("RESULT " + json.dumps({"step_s": statistics.median(times)}))
+"""
+
+FIT = r"""
+import collections, functools, json, statistics, sys, time
+from vitlab.runtime import prepare_process
+prepare_process()
+import pytorch_lightning as pl
+from pytorch_lightning.loops import fetchers
+
+class StepTimer(pl.Callback):
+    def __init__(self):
+        self.starts, self.inside, self.fetch = [], [], []
+        self._start = None
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 1:
+            self._start = time.perf_counter()
+            self.starts.append(self._start)
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 1 and self._start is not None:
+            self.inside.append(time.perf_counter() - self._start)
+
+fetch_times = []
+original = fetchers._PrefetchDataFetcher.__next__
+@functools.wraps(original)
+def timed_next(self):
+    start = time.perf_counter()
+    try:
+        return original(self)
+    finally:
+        fetch_times.append(time.perf_counter() - start)
+fetchers._PrefetchDataFetcher.__next__ = timed_next
+
+from vitlab.cli import fit
+cli = fit(sys.argv[1:])
+timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
+cycles = [b - a for a, b in zip(timer.starts, timer.starts[1:])][5:]
+steps_per_epoch = len(timer.starts)
+fetch = fetch_times[steps_per_epoch + 5 : 2 * steps_per_epoch]  # the second epoch's fetches
+print("RESULT " + json.dumps({"step_s": statistics.median(cycles), "inside_s": statistics.median(timer.inside[5:]),
+                              "fetch_s": statistics.median(fetch), "steps": len(cycles)}))
+"""
+
+
+def run(code: str, args: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"benchmark child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def fit_config(save_dir: Path, steps: int, threads: int, workers: int = 0) -> Path:
+    import yaml
+
+    cfg = {
+        "seed_everything": 0,
+        "runtime": {"threads": threads, "workers": workers, "figures": "auto"},
+        "trainer": {
+            "max_epochs": 2, "limit_train_batches": steps + 10, "limit_val_batches": 0, "accelerator": "cpu", "devices": 1,
+            "log_every_n_steps": 5, "enable_model_summary": False,
+            "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                       "init_args": {"save_dir": str(save_dir), "name": "overhead", "default_hp_metric": False}},
+            "callbacks": [{"class_path": "__main__.StepTimer"}, {"class_path": "vitlab.callbacks.QKVSnapshot"},
+                          {"class_path": "vitlab.callbacks.QKVDrift"}, {"class_path": "vitlab.callbacks.QKSpectra"},
+                          {"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "epoch"}}],
+        },
+        "model": {**MODEL, "lr": 1e-3},
+        "data": {"root": None, "embedded_kwargs": {"patients": 96, "size": 64}, "image_size": 16, "batch_size": BATCH,
+                 "augment": "none", "val_fraction": 0.2},
+    }
+    path = save_dir / "overhead.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per side (default 200)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, alternating; the fastest is reported")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
+    parser.add_argument("--workers", type=int, default=0, help="vitlab's loader workers (default 0: batches made in the "
+                        "training process, as the CPU quickstart does; 1: in a worker, as beside a GPU)")
+    args = parser.parse_args()
+    bare_runs, fit_runs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            bare_runs.append(run(BARE, [str(args.steps), str(args.threads), json.dumps(MODEL), str(BATCH)]))
+            save_dir = Path(tmp) / f"run{repeat}"
+            save_dir.mkdir()
+            fit_runs.append(run(FIT, ["--config", str(fit_config(save_dir, args.steps, args.threads, args.workers)),
+                                      "--trainer.logger.init_args.save_dir", str(save_dir)]))
+    bare = min(r["step_s"] for r in bare_runs)
+    best = min(fit_runs, key=lambda r: r["step_s"])
+    diff = best["step_s"] - bare
+    print(f"tiny ViT (embed 16, 1 block, 16 px, batch {BATCH}), {args.threads} torch thread(s), {args.workers} loader worker(s), "
+          f"{best['steps']} steps, "
+          f"fastest of {args.repeats}:")
+    print(f"  bare loop        : {bare * 1e3:6.2f} ms/step (forward, backward, AdamW on a batch in memory)")
+    print(f"  vitlab fit       : {best['step_s'] * 1e3:6.2f} ms/step (median, from one batch start to the next)")
+    print(f"  difference       : {diff * 1e3:6.2f} ms/step  (goal <= 2 ms)")
+    where = "from the worker" if args.workers else "in the training process: read from memory, collate"
+    print(f"    batch fetch    : {best['fetch_s'] * 1e3:6.2f} ms ({where})")
+    print(f"    step - bare    : {(best['inside_s'] - bare) * 1e3:6.2f} ms (training_step, backward, optimizer, per-step hooks)")
+    rest = best["step_s"] - best["inside_s"] - best["fetch_s"]
+    print(f"    rest           : {rest * 1e3:6.2f} ms (Lightning's loop, logging every 5 steps, progress bar)")
+
+
+if __name__ == "__main__":
+    main()

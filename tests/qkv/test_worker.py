@@ -1,0 +1,83 @@
+"""The Q/K/V callbacks' per-epoch work on a background thread (as beside a GPU) writes what the inline path writes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vitlab.qkv.state import QKVCapture, qkv_state
+from vitlab.qkv.worker import QKVWorker
+
+
+def test_worker_runs_jobs_in_order_and_raises_their_errors_in_the_caller():
+    for background in (False, True):
+        worker, seen = QKVWorker(background), []
+        for i in range(5):
+            worker.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+        worker.flush()
+        assert [i for i, _ in seen] == list(range(5)) and worker.done == worker.submitted == 5
+        assert all((name == "vitlab-qkv") == background for _, name in seen)
+
+        def fail():
+            raise RuntimeError("disk full")
+
+        if background:
+            worker.submit(fail)
+            with pytest.raises(RuntimeError, match="disk full"):
+                worker.flush()
+        else:
+            with pytest.raises(RuntimeError, match="disk full"):
+                worker.submit(fail)
+        worker.close()
+
+
+def test_capture_copies_the_weights_once_and_its_host_copy_equals_qkv_state():
+    from tests.training.test_classification import TINY_SWIN
+    from vitlab import models
+
+    torch.manual_seed(0)
+    model = models.build_model(TINY_SWIN["model_name"], num_classes=2, in_chans=1, **TINY_SWIN["model_kwargs"])
+    capture = QKVCapture(model, step=3)
+    expected = qkv_state(model)
+    assert list(capture.tensors) == list(expected) and capture.step == 3
+    for key, value in expected.items():
+        assert torch.equal(capture.host()[key], value)
+    with torch.no_grad():  # a copy, not a view of the live weights
+        next(model.parameters()).add_(1.0)
+        for block in models.qkv(model).values():
+            block["q"].add_(1.0)
+    assert all(torch.equal(capture.host()[key], value) for key, value in expected.items())
+
+
+@pytest.mark.slow
+def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_dataset, tmp_path, monkeypatch):
+    """Two CPU runs of one config: one with the Q/K/V work inline, one on the background thread a GPU run uses.
+    Snapshots, drift and spectra tables and every TensorBoard scalar are the same."""
+    from tests.training.test_classification import events, tiny_args
+    from vitlab.cli import fit
+
+    fit(tiny_args(tiny_dataset, tmp_path / "inline", epochs=2))
+    original = QKVWorker.__init__
+    monkeypatch.setattr(QKVWorker, "__init__", lambda self, background: original(self, True))
+    cli = fit(tiny_args(tiny_dataset, tmp_path / "thread", epochs=2))
+    assert getattr(cli.trainer, "_vitlab_qkv_worker", None) is None  # finished and closed at the end of the fit
+    runs = [tmp_path / name / "tiny" / "version_0" for name in ("inline", "thread")]
+    files = [sorted(p.name for p in (run / "qkv").iterdir()) for run in runs]
+    assert files[0] == files[1] and "drift_epoch_002.csv" in files[0] and "spectra_epoch_000.csv" in files[0]
+    from vitlab.qkv.state import load_snapshot
+
+    for name in files[0]:
+        if name.endswith(".safetensors"):  # (the header's metadata order is the writer's hash order: compare contents)
+            (a, meta_a), (b, meta_b) = (load_snapshot(run / "qkv" / name) for run in runs)
+            assert meta_a == meta_b and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        else:
+            assert (runs[0] / "qkv" / name).read_bytes() == (runs[1] / "qkv" / name).read_bytes(), name
+    scalars = []
+    for run in runs:
+        acc = events(run)
+        scalars.append({tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
+    assert scalars[0].keys() == scalars[1].keys()
+    for tag, points in scalars[0].items():
+        assert points == scalars[1][tag], tag

@@ -1,0 +1,154 @@
+"""A training or validation step of vitlab's own code never waits for the device.
+
+On a GPU, reading a value off the device (``.item()``, ``float(t)``, ``bool(t)``, ``.cpu()``, ``.tolist()``), or an
+operation whose output size depends on the data (``torch.unique``, ``bincount``, ``nonzero``), stops the host until
+every queued kernel has run: the next step is launched late and the GPU idles. On the CPU these calls are cheap,
+so the test counts them instead: it records each one made during the steps whose call stack passes through the
+``vitlab`` package. Where CUDA exists, the same steps also run under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import vitlab
+from vitlab.cli import fit
+
+VITLAB_DIR = str(Path(vitlab.__file__).resolve().parent)
+TENSOR_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy", "nonzero")
+TORCH_FUNCTIONS = ("unique", "bincount", "nonzero")
+
+
+class SyncCounter(pl.Callback):
+    """Records host-device synchronisation points made from vitlab code that Lightning calls inside every training and
+    validation step (from the first callback's ``on_*_batch_start`` to its ``on_*_batch_end``: put it first in the
+    callbacks).
+
+    Args:
+        cuda_error: Also run the steps under ``torch.cuda.set_sync_debug_mode("error")`` (CUDA runs).
+    """
+
+    def __init__(self, cuda_error: bool = False) -> None:
+        self.cuda_error = cuda_error
+        self.calls: list[str] = []
+        self.steps = 0
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+        calls = self.calls
+
+        def counted(*args, **kwargs):
+            stack = traceback.extract_stack()[:-1]
+            # vitlab code that Lightning called (a step, a hook), not the ``fit`` call that started Lightning
+            lightning = next((i for i, f in enumerate(stack) if f"{os.sep}pytorch_lightning{os.sep}" in f.filename), len(stack))
+            ours = [f for f in stack[lightning:] if f.filename.startswith(VITLAB_DIR)]
+            if ours:
+                calls.append(f"{name} from {Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].name})")
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def _start(self) -> None:
+        self.steps += 1
+        for name in TENSOR_METHODS:
+            self._wrap(torch.Tensor, name)
+        for name in TORCH_FUNCTIONS:
+            self._wrap(torch, name)
+        if self.cuda_error:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def _stop(self) -> None:
+        if self.cuda_error:
+            torch.cuda.set_sync_debug_mode("default")
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._stop()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self._start()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._stop()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._stop()
+
+
+def _first(args: list[str], counter: str, **init_args) -> list[str]:
+    """The config's callbacks with the counter first."""
+    import yaml
+
+    path = Path(args[1])
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["callbacks"] = [{"class_path": counter, "init_args": init_args}, *cfg["trainer"]["callbacks"]]
+    path.write_text(yaml.safe_dump(cfg))
+    return args
+
+
+def _counter(cli) -> SyncCounter:
+    return next(cb for cb in cli.trainer.callbacks if isinstance(cb, SyncCounter))
+
+
+COUNTER = f"{__name__}.SyncCounter"
+
+
+def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset, tmp_path):
+    from tests.training.test_classification import tiny_args
+
+    limits = ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
+    cli = fit(_first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=limits), COUNTER))
+    counter = _counter(cli)
+    assert counter.steps >= 4  # the 3 training steps and the validation steps were watched
+    assert counter.calls == []
+    # the metrics still saw every sample once (they get them at the epoch's end)
+    assert "val/auroc" in cli.trainer.callback_metrics
+
+
+@pytest.mark.slow
+def test_segmentation_training_steps_make_no_synchronisation_of_their_own(tmp_path, monkeypatch):
+    from tests.training.test_dense import dense_args
+
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    args = _first(dense_args("segmentation", tmp_path / "runs", epochs=1, extra=["--trainer.limit_val_batches", "0"]), COUNTER)
+    counter = _counter(fit(args))
+    assert counter.steps >= 2
+    assert counter.calls == []
+
+
+@pytest.mark.slow
+def test_the_counter_sees_a_synchronisation_made_in_vitlab(tiny_dataset, tmp_path, monkeypatch):
+    """The counter is live: a planted ``.item()`` in the classification step is reported, with its place."""
+    from tests.training.test_classification import tiny_args
+
+    def planted(self, *tensors):
+        float(tensors[0].sum())  # what a careless step would do
+        self._parts.append(tensors)
+
+    monkeypatch.setattr("vitlab.training.outputs.EpochOutputs.append", planted)
+    cli = fit(_first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--trainer.limit_val_batches", "0"]), COUNTER))
+    calls = _counter(cli).calls
+    assert calls and all(call.startswith("__float__ from classification.py") for call in calls), calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_classification_steps_on_cuda_run_under_sync_debug_error(tiny_dataset, tmp_path):
+    from tests.training.test_classification import tiny_args
+
+    args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--trainer.accelerator", "gpu"])
+    cli = fit(_first(args, COUNTER, cuda_error=True))
+    assert _counter(cli).steps >= 4
