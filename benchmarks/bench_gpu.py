@@ -82,10 +82,36 @@ def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
+import os
+PROFILE = os.environ.get("BENCH_PROFILE")  # a file for torch.profiler's tables of steps 20..24 of the warm-up epoch
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy",
+            "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::to", "aten::copy_", "Optimizer.step")
+
+def write_profile(prof, steps):
+    cuda = torch.cuda.is_available()
+    averages = prof.key_averages()
+    lines = [f"torch.profiler over {steps} training steps of the first epoch ({'CUDA' if cuda else 'CPU'})", "",
+             "calls per step of the ops that synchronise or copy between host and device:"]
+    for event in averages:
+        if event.key in SYNC_OPS:
+            lines.append(f"  {event.key:32s} {event.count / steps:8.2f} per step, host {event.cpu_time_total / steps / 1e3:8.3f} ms per step")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    lines += ["", f"top ops by {sort}:", averages.table(sort_by=sort, row_limit=25), "",
+              "top ops by host time (cpu_time_total):", averages.table(sort_by="cpu_time_total", row_limit=25)]
+    with open(PROFILE, "w") as f:
+        f.write("\n".join(lines))
+
 class EpochTimer(pl.Callback):
     '''Per training epoch: its steps' span, the span to the next epoch start, images, loader wait, callbacks.'''
     def __init__(self):
         self.epochs, self.current, self.fit_start = [], None, {}
+        self.prof, self.prof_first = None, 20
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.prof is not None and batch_idx == self.prof_first + 4:
+            sync()
+            self.prof.__exit__(None, None, None)
+            write_profile(self.prof, batch_idx - self.prof_first + 1)
+            self.prof = None
     def on_train_epoch_start(self, trainer, pl_module):
         sync()
         now = time.perf_counter()
@@ -99,6 +125,14 @@ class EpochTimer(pl.Callback):
             self.current["first"] = time.perf_counter()
         self.current["images"] += len(batch[0])
         self.current["steps"] += 1
+        if PROFILE and trainer.current_epoch == 0 and batch_idx == max(1, min(self.prof_first, trainer.num_training_batches - 5)):
+            self.prof_first = batch_idx
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            sync()
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
     def on_train_epoch_end(self, trainer, pl_module):  # (first of the epoch-end hooks: this callback is listed first)
         sync()
         self.current["last"] = time.perf_counter()
@@ -157,7 +191,7 @@ def _slices_shard(args: tuple[str, int, int, int]) -> str:
 
 
 def _volumes_shard(args: tuple[str, int, int, int, int]) -> str:
-    from vitlab.data.synthetic_volumes import generate_volumes
+    from vitlab.data.synthetic import generate_volumes
 
     out, seed, patients, size, slices = args
     return str(generate_volumes(out, seed=seed, patients=patients, size=size, slices=slices, spacing=(1.5, 1.5, 2.0)))
@@ -283,13 +317,17 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
     return args + ["--trainer.callbacks", json.dumps(callbacks)]
 
 
-def vitlab_run(args: list[str]) -> dict:
+def vitlab_run(args: list[str], profile: Path | None = None) -> dict | None:
+    """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "HF_HUB_OFFLINE": "1"}
+    if profile is not None:
+        env["BENCH_PROFILE"] = str(profile)
     proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"bench_gpu: the vitlab run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(f"bench_gpu: the vitlab run failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+        return None
     return json.loads(line[len("RESULT "):])
 
 
@@ -339,23 +377,38 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     print(f"bench_gpu: {card}, {cores} cores, torch {torch.__version__}; data and runs in {root}", flush=True)
     results: dict[str, dict] = {"card": card, "cores": cores}
-    for kind in args.task:
-        start = time.perf_counter()
-        count = args.train_images if kind == "vit" else args.volumes
-        manifest = make_data(kind, root / f"data-{kind}", count, size, cores)
-        print(f"  {kind}: data made in {time.perf_counter() - start:.0f} s ({manifest})", flush=True)
-        bare = bare_loop(kind, size, device, size["bare_steps"])
-        results[f"{kind}/bare"] = bare
-        print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
-        variants = ["default"] + [v for v in args.variants if (v == "nondeterministic") == (kind == "swinunetr")]
-        for variant in variants:
-            run = vitlab_run(vitlab_args(kind, variant, manifest, root / "runs", size, args.epochs, accelerator))
-            results[f"{kind}/{variant}"] = summary = summarise(run)
-            print(f"  {kind} {variant}: {summary['train_ips']:.1f} images/s in training steps, "
-                  f"{summary['epoch_ips']:.1f} per whole epoch", flush=True)
+    # the default runs first, then the variants: a run that fails or a time limit leaves the most important numbers
+    plan = [(kind, "default") for kind in args.task]
+    plan += [(kind, v) for v in args.variants for kind in args.task if (v == "nondeterministic") == (kind == "swinunetr")]
+    manifests: dict[str, Path] = {}
+    for kind, variant in plan:
+        if kind not in manifests:
+            start = time.perf_counter()
+            count = args.train_images if kind == "vit" else args.volumes
+            manifests[kind] = make_data(kind, root / f"data-{kind}", count, size, cores)
+            print(f"  {kind}: data made in {time.perf_counter() - start:.0f} s ({manifests[kind]})", flush=True)
+            results[f"{kind}/bare"] = bare = bare_loop(kind, size, device, size["bare_steps"])
+            print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
+        profile = root / f"profile_{kind}.txt" if variant == "default" else None
+        run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile)
+        if run is None:
+            continue
+        results[f"{kind}/{variant}"] = summary = summarise(run)
+        print(run_line(f"{kind}/{variant}", summary, results[f"{kind}/bare"]), flush=True)
+        if profile is not None and profile.exists():
+            print(f"  {kind}: torch.profiler tables in {profile}", flush=True)
     report(results, args)
     (root / "bench_gpu.json").write_text(json.dumps(results, indent=1))
     print(f"bench_gpu: results in {root / 'bench_gpu.json'}")
+
+
+def run_line(name: str, run: dict, bare: dict) -> str:
+    return (f"{name:28s} steps {run['train_ips']:8.1f} img/s = {run['train_ips'] / bare['train_ips']:5.2f}x bare "
+            f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s; step {run['step_ms']:6.1f} ms, "
+            f"loader wait {run['fetch_ms_per_step']:5.2f} ms/step ({run['fetch_ms_per_step'] / run['step_ms']:5.1%}); "
+            f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
+            f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch; "
+            f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB")
 
 
 def report(results: dict, args) -> None:
@@ -365,13 +418,8 @@ def report(results: dict, args) -> None:
         for name, run in results.items():
             if not name.startswith(f"{kind}/") or name.endswith("/bare"):
                 continue
-            print(f"{name:28s} steps {run['train_ips']:8.1f} img/s = {run['train_ips'] / bare['train_ips']:5.2f}x bare "
-                  f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s; step {run['step_ms']:6.1f} ms, "
-                  f"loader wait {run['fetch_ms_per_step']:5.2f} ms/step ({run['fetch_ms_per_step'] / run['step_ms']:5.1%}); "
-                  f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
-                  f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch; "
-                  f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB")
-        if kind == "vit" and "eval_ips" in bare:
+            print(run_line(name, run, bare))
+        if kind == "vit" and "eval_ips" in bare and "vit/default" in results:
             run = results["vit/default"]
             bare_epoch = run["images_per_epoch"] / bare["train_ips"] + run["val_images"] / bare["eval_ips"]
             print(f"vit whole epoch: {run['epoch_s']:.2f} s against the bare loop's {bare_epoch:.2f} s for the same training and "

@@ -53,16 +53,29 @@ def test_capture_copies_the_weights_once_and_its_host_copy_equals_qkv_state():
 
 @pytest.mark.slow
 def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_dataset, tmp_path, monkeypatch):
-    """Two CPU runs of one config: one with the Q/K/V work inline, one on the background thread a GPU run uses.
-    Snapshots, drift and spectra tables and every TensorBoard scalar are the same."""
+    """Two CPU runs of one config: one with the Q/K/V work and the checkpoints written inline, one as on a GPU: the
+    Q/K/V work on its background thread, checkpoints copied and written by the background checkpoint writer.
+    Snapshots, drift and spectra tables, every TensorBoard scalar and the checkpoints' tensors are the same."""
     from tests.training.test_classification import events, tiny_args
+    from vitlab.callbacks import RuntimeCallback
+    from vitlab.checkpoint_writer import BackgroundCheckpointIO
     from vitlab.cli import fit
 
     fit(tiny_args(tiny_dataset, tmp_path / "inline", epochs=2))
     original = QKVWorker.__init__
     monkeypatch.setattr(QKVWorker, "__init__", lambda self, background: original(self, True))
+    monkeypatch.setattr(RuntimeCallback.__init__, "__defaults__", ("auto", 0, "background"))
     cli = fit(tiny_args(tiny_dataset, tmp_path / "thread", epochs=2))
     assert getattr(cli.trainer, "_vitlab_qkv_worker", None) is None  # finished and closed at the end of the fit
+    io = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io, BackgroundCheckpointIO) and io.writes >= 2
+    ckpts = [torch.load(next((tmp_path / name).rglob("last.ckpt")), map_location="cpu", weights_only=False)
+             for name in ("inline", "thread")]
+    assert "_vitlab_settle" not in ckpts[1]
+    assert ckpts[0]["state_dict"].keys() == ckpts[1]["state_dict"].keys()
+    assert all(torch.equal(v, ckpts[1]["state_dict"][k]) for k, v in ckpts[0]["state_dict"].items())
+    for a, b in zip(ckpts[0]["optimizer_states"][0]["state"].values(), ckpts[1]["optimizer_states"][0]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
     runs = [tmp_path / name / "tiny" / "version_0" for name in ("inline", "thread")]
     files = [sorted(p.name for p in (run / "qkv").iterdir()) for run in runs]
     assert files[0] == files[1] and "drift_epoch_002.csv" in files[0] and "spectra_epoch_000.csv" in files[0]

@@ -65,9 +65,13 @@ class EpochCallback:
         self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint covers the epochs whose work it records as done: that work is on disk first."""
+        """A checkpoint never exists before the work of the epochs it covers is on disk: the run's checkpoint writer
+        waits for it on its own thread (:class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`); any other writer
+        writes at once, so the work is finished here first."""
+        from vitlab.checkpoint_writer import settles_checkpoints
+
         worker = getattr(trainer, "_vitlab_qkv_worker", None)
-        if worker is not None:
+        if worker is not None and not settles_checkpoints(trainer.strategy.checkpoint_io):
             worker.flush()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

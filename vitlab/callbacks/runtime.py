@@ -3,12 +3,16 @@ must hold for a resumed run to be the run that was never stopped (random streams
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytorch_lightning as pl
 
 from vitlab.figure_worker import FIGURE_MODES, FigureWorker
 from vitlab.runtime import available_cores
+
+
+SETTLE_KEY = "_vitlab_settle"  # in a checkpoint between its taking and its writing only
 
 
 class RuntimeCallback(pl.Callback):
@@ -34,16 +38,26 @@ class RuntimeCallback(pl.Callback):
     Before a checkpoint is written the epoch's ``train/*`` metrics and the loggers are flushed
     (:func:`settle_outputs`): every scalar at or below its step is on disk.
 
+    **Checkpoints beside a GPU.** When the run trains on a GPU (one device or DDP) with Lightning's own checkpoint
+    writer, checkpoints are written by :class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`: the training
+    thread only queues copies to pinned host memory, and a background thread writes each file once the Q/K/V
+    callbacks' work of the epochs it covers is on disk (the figures still pending then are the ones it lists, the
+    loggers flushed), so a checkpoint costs the GPU no idle time and still never exists before what it covers.
+
     Args:
         figures: ``auto`` (a figure worker process), ``inline`` (in the training process) or ``off``.
         workers: The run's loader worker processes (they count among the busy cores).
+        checkpoints: ``auto`` (written in the background on a GPU, at once on the CPU), ``background`` or ``inline``.
     """
 
     owns_figures = True
 
-    def __init__(self, figures: str = "auto", workers: int = 0) -> None:
+    def __init__(self, figures: str = "auto", workers: int = 0, checkpoints: str = "auto") -> None:
         if figures not in FIGURE_MODES:
             raise ValueError(f"RuntimeCallback.figures must be one of {', '.join(FIGURE_MODES)}, got {figures!r}")
+        if checkpoints not in ("auto", "background", "inline"):
+            raise ValueError(f"RuntimeCallback.checkpoints must be one of auto, background, inline, got {checkpoints!r}")
+        self.checkpoints = checkpoints
         self.figures = figures
         self.workers = workers
         self.figure_worker: FigureWorker | None = None
@@ -55,6 +69,8 @@ class RuntimeCallback(pl.Callback):
         self._resumed_done = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._write_checkpoints_in_background(trainer)
         if stage != "fit" or not trainer.is_global_zero:
             return
         from vitlab.outputs.tensorboard import resume_step
@@ -68,6 +84,38 @@ class RuntimeCallback(pl.Callback):
         self._skipped_files = log_skipped_files(trainer, None)
         if self.figures != "off" and self.figure_worker is None:
             self.figure_worker = FigureWorker(process=self.figures == "auto")
+
+    def _write_checkpoints_in_background(self, trainer: pl.Trainer) -> None:
+        """Put :class:`~vitlab.checkpoint_writer.BackgroundCheckpointIO` in the strategy's place (see the class docstring)."""
+        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+        from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+
+        from vitlab.checkpoint_writer import BackgroundCheckpointIO
+
+        strategy = trainer.strategy
+        if self.checkpoints == "inline" or isinstance(strategy.checkpoint_io, BackgroundCheckpointIO):
+            return
+        plain = type(strategy.checkpoint_io) is TorchCheckpointIO and type(strategy) in (SingleDeviceStrategy, DDPStrategy)
+        if self.checkpoints == "auto" and not (plain and strategy.root_device.type == "cuda"):
+            return
+        strategy.checkpoint_io = BackgroundCheckpointIO(strategy.checkpoint_io, settle=functools.partial(self._settle, trainer))
+
+    def _settle(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """(The checkpoint writer's thread, before it writes the host copy ``checkpoint``.) Wait for the Q/K/V work
+        handed to its worker by the time the checkpoint was taken; list the figures pending now; flush the loggers."""
+        from vitlab.outputs.tensorboard import tensorboard_writer
+
+        settle = checkpoint.pop(SETTLE_KEY, {})
+        worker = getattr(trainer, "_vitlab_qkv_worker", None)
+        if worker is not None and settle.get("qkv_jobs"):
+            worker.wait_done(settle["qkv_jobs"])
+        state = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        figures = self.figure_worker
+        if state is not None and figures is not None:
+            state["figures"] = [figure_state(tag, step, ordinal, figure) for tag, step, ordinal, figure in figures.pending()]
+        writer = tensorboard_writer(trainer) if trainer.is_global_zero else None
+        if writer is not None:
+            writer.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """``rng``: every rank's random streams (a collective: Lightning dumps a checkpoint on every rank);
@@ -184,6 +232,11 @@ class RuntimeCallback(pl.Callback):
         figures not yet written): a run killed at any moment after it and resumed from it has every point up to
         its step, and the resumed run writes the rest."""
         settle_outputs(trainer, self._epoch_end)
+        from vitlab.checkpoint_writer import settles_checkpoints
+
+        if settles_checkpoints(trainer.strategy.checkpoint_io):  # what the writer's thread waits for (see _settle)
+            worker = getattr(trainer, "_vitlab_qkv_worker", None)
+            checkpoint[SETTLE_KEY] = {"qkv_jobs": worker.submitted if worker is not None else 0}
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close(raise_errors=True)

@@ -9,7 +9,7 @@ memory (waiting for that copy only), computes and writes. CPU runs do the same j
 as before: there the work needs the cores the training would use anyway.
 
 A checkpoint must not exist before the work of the epochs it covers is on disk; :meth:`QKVWorker.wait_done` lets
-the checkpoint writer wait for the first N jobs (see :class:`vitlab.callbacks.runtime.SettledCheckpointIO`).
+the checkpoint writer wait for the first N jobs (see :class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`).
 """
 
 from __future__ import annotations

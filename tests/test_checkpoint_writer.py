@@ -1,0 +1,108 @@
+"""The background checkpoint writer: a copy taken when the checkpoint is saved, written after the run's barrier,
+writes and removals in the order they were asked for, errors raised in the caller."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vitlab.checkpoint_writer import BackgroundCheckpointIO, settles_checkpoints
+
+
+def test_the_written_checkpoint_holds_the_values_of_the_moment_it_was_saved(tmp_path):
+    weights, step = torch.randn(4, 3), torch.tensor(7.0)
+    release = threading.Event()
+    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10))
+    expected = weights.clone()
+    io.save_checkpoint({"state_dict": {"w": weights}, "optimizer_states": [{"step": step}], "epoch": 3}, tmp_path / "a.ckpt")
+    weights.add_(1.0)  # the training goes on: in-place updates of the weights and the optimiser's step count
+    step.add_(1.0)
+    assert not (tmp_path / "a.ckpt").exists()  # held by the barrier
+    release.set()
+    io.wait()
+    ckpt = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    assert torch.equal(ckpt["state_dict"]["w"], expected) and ckpt["optimizer_states"][0]["step"].item() == 7.0
+    assert ckpt["epoch"] == 3 and io.writes == 1
+    io.teardown()
+
+
+def test_settle_runs_before_the_write_and_may_change_the_copy(tmp_path):
+    order = []
+
+    def settle(ckpt):
+        order.append("settle")
+        assert not (tmp_path / "a.ckpt").exists()
+        ckpt.pop("_private")
+        ckpt["callbacks"]["X"]["figures"] = ["late"]
+
+    io = BackgroundCheckpointIO(settle=settle)
+    original = {"_private": 1, "callbacks": {"X": {"figures": []}}}
+    io.save_checkpoint(original, tmp_path / "a.ckpt")
+    io.teardown()
+    ckpt = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    assert order == ["settle"] and "_private" not in ckpt and ckpt["callbacks"]["X"]["figures"] == ["late"]
+    assert original["callbacks"]["X"]["figures"] == [] and "_private" in original  # the caller's dict is untouched
+    assert settles_checkpoints(io) and not settles_checkpoints(BackgroundCheckpointIO())
+
+
+def test_a_removal_waits_for_the_writes_asked_for_before_it(tmp_path):
+    """A ModelCheckpoint that replaces its best writes the new file, then removes the old: never neither."""
+    old = tmp_path / "old.ckpt"
+    torch.save({"x": 1}, old)
+    release = threading.Event()
+    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10), max_pending=4)
+    io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "new.ckpt")
+    io.remove_checkpoint(old)
+    assert old.exists()  # still: the new one is not written yet
+    release.set()
+    io.wait()
+    assert not old.exists() and (tmp_path / "new.ckpt").exists()
+    io.teardown()
+
+
+def test_at_most_max_pending_writes_wait(tmp_path):
+    release, started = threading.Event(), []
+
+    def settle(ckpt):
+        started.append(1)
+        release.wait(10)
+
+    io = BackgroundCheckpointIO(settle=settle, max_pending=1)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
+    waiter = threading.Thread(target=io.save_checkpoint, args=({"x": torch.ones(1)}, tmp_path / "b.ckpt"))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # the second save waits for the first write
+    release.set()
+    waiter.join(10)
+    io.teardown()
+    assert (tmp_path / "a.ckpt").exists() and (tmp_path / "b.ckpt").exists()
+
+
+def test_a_failed_write_is_raised_at_the_next_call(tmp_path):
+    def settle(ckpt):
+        raise OSError("disk full")
+
+    io = BackgroundCheckpointIO(settle=settle)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "a.ckpt")
+    with pytest.raises(OSError, match="disk full"):
+        io.wait()
+    io.teardown()
+
+
+def test_pinned_buffers_are_reused_for_checkpoints_of_the_same_layout(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("pinned host buffers are for GPU tensors")
+    io = BackgroundCheckpointIO()
+    weights = torch.randn(64, 64, device="cuda")
+    io.save_checkpoint({"w": weights}, tmp_path / "a.ckpt")
+    io.wait()
+    (buffers,) = io._free[((tuple(weights.shape), weights.dtype),)]
+    weights.mul_(2)
+    io.save_checkpoint({"w": weights}, tmp_path / "b.ckpt")
+    io.wait()
+    assert io._free[((tuple(weights.shape), weights.dtype),)][0] is buffers
+    assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], weights.cpu())
+    io.teardown()
