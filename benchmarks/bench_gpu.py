@@ -21,7 +21,8 @@ What it runs (about 5 minutes on one H100 / H200):
    (epoch start to the next epoch start: validation, callbacks and checkpoints included), the training loop's
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
    start, the seconds the epoch's checkpoints take, and the peak GPU memory.
-4. **Variants** (``--variants``): ``nocallbacks`` the same ViT run without the Q/K/V callbacks (the difference in
+4. **Variants** (``--variants``): ``memdata`` the same ViT run fed four training batches made once and kept in
+   pinned memory (no loader: the difference is the loader's share of the step); ``nocallbacks`` the same ViT run without the Q/K/V callbacks (the difference in
    epoch time is their whole cost, the GPU's share included); ``gpuspectra`` with the QK spectra's eigenproblems
    solved on the GPU (``QKSpectra(device="weights")``) instead of the host's cores; ``compile`` with ``model.compile: true``;
    ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``.
@@ -142,7 +143,7 @@ class EpochTimer(pl.Callback):
             self.current["epoch_s"] = time.perf_counter() - self.current["start"]
             self.epochs.append(self.current)
 
-spans = {"fetch": [], "callbacks": [], "checkpoints": [], "fit_start": []}
+spans = {"fetch": [], "callbacks": [], "checkpoints": [], "fit_start": [], "ckpt_dump": [], "ckpt_io": []}
 def timed(owner, name, key):
     original = getattr(owner, name)
     @functools.wraps(original)
@@ -155,8 +156,28 @@ def timed(owner, name, key):
     setattr(owner, name, wrapper)
 
 from vitlab.callbacks import QKSpectra, QKVDrift, QKVSnapshot
+from vitlab.checkpoint_writer import BackgroundCheckpointIO
+from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
 timed(fetchers._PrefetchDataFetcher, "__next__", "fetch")
 timed(ModelCheckpoint, "_save_checkpoint", "checkpoints")
+timed(_CheckpointConnector, "dump_checkpoint", "ckpt_dump")
+timed(BackgroundCheckpointIO, "save_checkpoint", "ckpt_io")
+
+if os.environ.get("BENCH_MEMDATA"):  # training batches made once, in pinned memory: the loader's share of the step
+    from vitlab.data.image_data import ImageData
+    def memory_batches(self):
+        real = self._loader("train", train=True)
+        first = next(iter(real))
+        batches = [tuple(t.clone().pin_memory() if torch.cuda.is_available() else t.clone() for t in first[:2])
+                   for _ in range(4)]
+        steps = len(real)
+        class Batches:
+            def __len__(self):
+                return steps
+            def __iter__(self):
+                return (batches[i % len(batches)] for i in range(steps))
+        return Batches()
+    ImageData.train_dataloader = memory_batches
 for cls in (QKVSnapshot, QKVDrift, QKSpectra):
     timed(cls, "on_train_epoch_end", "callbacks")
     timed(cls, "on_fit_start", "fit_start")
@@ -170,7 +191,8 @@ for epoch in timer.epochs:
     inside = lambda key: [s for t, s in spans[key] if epoch["start"] <= t <= end]
     out.append({"images": epoch["images"], "steps": epoch["steps"], "train_s": epoch["last"] - epoch["first"],
                 "epoch_s": epoch["epoch_s"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
-                "checkpoints_s": sum(inside("checkpoints"))})
+                "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
+                "ckpt_io_s": sum(inside("ckpt_io"))})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
@@ -317,12 +339,14 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
     return args + ["--trainer.callbacks", json.dumps(callbacks)]
 
 
-def vitlab_run(args: list[str], profile: Path | None = None) -> dict | None:
+def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False) -> dict | None:
     """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "HF_HUB_OFFLINE": "1"}
     if profile is not None:
         env["BENCH_PROFILE"] = str(profile)
+    if memdata:
+        env["BENCH_MEMDATA"] = "1"
     proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -341,6 +365,8 @@ def summarise(run: dict) -> dict[str, float]:
             "images_per_epoch": images / len(epochs), "fetch_ms_per_step": 1e3 * sum(e["fetch_s"] for e in epochs) / steps,
             "step_ms": 1e3 * train_s / steps, "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
             "checkpoints_s_per_epoch": sum(e["checkpoints_s"] for e in epochs) / len(epochs),
+            "ckpt_dump_s_per_epoch": sum(e.get("ckpt_dump_s", 0.0) for e in epochs) / len(epochs),
+            "ckpt_io_s_per_epoch": sum(e.get("ckpt_io_s", 0.0) for e in epochs) / len(epochs),
             "fit_start_callbacks_s": run["fit_start_callbacks_s"], "peak_gib": run["peak_gib"], "workers": run["workers"],
             "threads": run["threads"], "val_images": run["val_images"]}
 
@@ -351,8 +377,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs per vitlab run; the first is left out (default 3)")
     parser.add_argument("--train-images", type=int, default=5120, help="ViT training slices (a quarter more for validation)")
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
-    parser.add_argument("--variants", nargs="*", default=["nocallbacks", "gpuspectra", "compile", "nondeterministic"],
-                        choices=["nocallbacks", "gpuspectra", "compile", "nondeterministic"], help="runs beside the default ones")
+    parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
+                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"], help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
     args = parser.parse_args()
@@ -379,7 +405,8 @@ def main() -> None:
     results: dict[str, dict] = {"card": card, "cores": cores}
     # the default runs first, then the variants: a run that fails or a time limit leaves the most important numbers
     plan = [(kind, "default") for kind in args.task]
-    plan += [(kind, v) for v in args.variants for kind in args.task if (v == "nondeterministic") == (kind == "swinunetr")]
+    plan += [(kind, v) for v in args.variants for kind in args.task
+             if (v == "nondeterministic" and kind == "swinunetr") or (v != "nondeterministic" and kind == "vit")]
     manifests: dict[str, Path] = {}
     for kind, variant in plan:
         if kind not in manifests:
@@ -390,7 +417,8 @@ def main() -> None:
             results[f"{kind}/bare"] = bare = bare_loop(kind, size, device, size["bare_steps"])
             print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
-        run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile)
+        run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
+                         memdata=variant == "memdata")
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)
@@ -407,7 +435,8 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s; step {run['step_ms']:6.1f} ms, "
             f"loader wait {run['fetch_ms_per_step']:5.2f} ms/step ({run['fetch_ms_per_step'] / run['step_ms']:5.1%}); "
             f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
-            f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch; "
+            f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch "
+            f"(state {run.get('ckpt_dump_s_per_epoch', 0):5.3f} s, hand-over {run.get('ckpt_io_s_per_epoch', 0):5.3f} s); "
             f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB")
 
 

@@ -41,11 +41,12 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         checkpoint_io: The writer that writes the file (default Lightning's :class:`TorchCheckpointIO`).
         settle: Called on the background thread with the host copy of each checkpoint, after its tensors are
             copied and before it is written; may wait, and may change the copy's plain values.
-        max_pending: Writes (and removals) that may wait before a new save waits for the oldest.
+        max_pending: Writes (and removals) that may wait before a new save waits for the oldest (default: two
+            epochs of a best and a last checkpoint).
     """
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, settle: Callable[[dict[str, Any]], None] | None = None,
-                 max_pending: int = 2) -> None:
+                 max_pending: int = 4) -> None:
         super().__init__(checkpoint_io or TorchCheckpointIO())
         self.settle = settle
         self.max_pending = max(1, max_pending)
