@@ -1,7 +1,7 @@
 """vitlab on one GPU against a bare bf16 loop of the same model, side by side on the same machine.
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
-                                   [--variants nocallbacks gpuspectra compile nondeterministic] [--out DIR]
+                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic] [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
 
 What it runs (about 5 minutes on one H100 / H200):
