@@ -126,10 +126,13 @@ def submit_slurm(folder: StudyFolder, record: dict[str, Any], names: list[str], 
     import submitit
 
     jobs: dict[str, str] = record.setdefault("jobs", {})
+    earlier = {name: submitit.SlurmJob(folder=str(folder.path / "submitit"), job_id=jobs[name]) for name in names if name in jobs}
+    if earlier:
+        submitit.SlurmJob.watcher.update()  # one sacct call for them all
     results, submit = {}, []
     for name in names:
         job_id = jobs.get(name)
-        state = submitit.SlurmJob(folder=str(folder.path / "submitit"), job_id=job_id).state if job_id else None
+        state = submitit.SlurmJob.watcher.get_state(job_id, mode="cache") if name in earlier else None
         if state in SLURM_ACTIVE:
             results[name] = QUEUED
             report(name, f"{QUEUED} (SLURM job {job_id}: {state})")
