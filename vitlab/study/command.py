@@ -85,7 +85,7 @@ def plan_study(command: StudyCommand, fit: Callable[[list[str]], Any]) -> tuple[
     cells = []
     for cell in make_cells(command.axes, base):
         logger = [f"--trainer.logger.init_args.save_dir={folder.path}", f"--trainer.logger.init_args.name={cell.name}",
-                  "--trainer.logger.init_args.version=null"]
+                  "--trainer.logger.init_args.version=null", "--trainer.enable_progress_bar=false"]  # output: a log file
         cells.append({"name": cell.name, "values": cell.values, "seed": cell.seed, "variant": cell.variant,
                       "run": f"{cell.name}/version_0", "args": [*command.run_args, *cell.overrides, *logger]})
     plan = {"name": folder.path.name, "cwd": os.getcwd(), "base_args": command.run_args, "base_config": base,
