@@ -62,7 +62,7 @@ def test_grid_runs_two_at_a_time_and_its_claims_are_recomputable(tiny_dataset, h
     for cell in record["cells"]:
         assert sorted(p.name for p in (folder.path / cell["name"]).iterdir()) == ["version_0"]
         state = folder.state(cell["name"])
-        assert state["attempts"] == 1 and state["resumed_from"] is None
+        assert state["attempts"] == 1 and state["resumed_from"] is None and state["cpu_s"] > 0
     # one cell's config.yaml repeats it: the same parser reads it back with its seed and ablation
     import yaml
 

@@ -51,9 +51,15 @@ def run_cell(study: str | os.PathLike, name: str, env: dict[str, str] | None = N
             return DONE
         record = folder.load()
         args, ckpt = cell_command(folder, name, record)
-        if ckpt is None and (folder.path / name).exists():
-            shutil.rmtree(folder.path / name)
         attempt = int(state.get("attempts", 0)) + 1
+        if ckpt is None:
+            others = sorted(p.name for p in (folder.path / name).glob("*") if p.name != "version_0")
+            if others:  # e.g. a repeat made from the cell's config.yaml: not the study's to remove
+                folder.write_state(name, {**state, "status": FAILED, "attempts": attempt, "error": (
+                    f"{folder.path / name} holds {', '.join(others)} beside the study's version_0, which has no "
+                    "checkpoint to resume: move them out of the study folder to run this cell again")})
+                return FAILED
+            shutil.rmtree(folder.run_path(name), ignore_errors=True)
         started = time.time()
         new_state = {"status": RUNNING, "attempts": attempt, "resumed_from": str(ckpt) if ckpt else None,
                      "host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
@@ -64,13 +70,24 @@ def run_cell(study: str | os.PathLike, name: str, env: dict[str, str] | None = N
             log.write(f"\n=== attempt {attempt} ({new_state['started']}, {new_state['host']}): python -m {TRAIN_MODULE} "
                       f"{' '.join(args)}\n")
             log.flush()
-            code = subprocess.call([sys.executable, "-m", TRAIN_MODULE, *args], cwd=record["cwd"], env=child_env,
-                                   stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))  # the child holds the lock too
+            process = subprocess.Popen([sys.executable, "-m", TRAIN_MODULE, *args], cwd=record["cwd"], env=child_env,
+                                       stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))  # the child holds the lock too
+            code, cpu_s = _wait(process)
         status = DONE if code == 0 else INTERRUPTED if code in (130, -2, -9, -15) else FAILED
         folder.write_state(name, {**new_state, "status": status, "returncode": code,
                                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(time.time() - started, 1),
-                                  "error": None if code == 0 else _last_error(folder.log_path(name))})
+                                  "cpu_s": cpu_s, "error": None if code == 0 else _last_error(folder.log_path(name))})
         return status
+
+
+def _wait(process: subprocess.Popen) -> tuple[int, float | None]:
+    """(exit status, CPU seconds of the process and the children it waited for: user + system), as ``wait4`` gives
+    them: the cell's own CPU time, whatever else the machine runs."""
+    if not hasattr(os, "wait4"):  # not POSIX
+        return process.wait(), None
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, round(usage.ru_utime + usage.ru_stime, 1)
 
 
 def _last_error(log: Path) -> str:
