@@ -8,6 +8,7 @@ import yaml
 
 from vitlab.study.grid import ABLATE_COMPONENTS, Axis, StudyOptions, make_cells, parse_command, requested, split_values
 
+SEEDS = ("seed_everything", "data.seed")
 BASE = {"seed_everything": 0, "data": {"seed": 0}, "model": {"ablate": {"remove": ["mlp"], "blocks": [0, 1]}}}
 
 
@@ -24,6 +25,10 @@ def test_parse_command_splits_run_args_grid_and_options():
     assert cmd.run_args == ["--config", "q.yaml", "--trainer.max_epochs", "3"] and cmd.print_config
     assert [(a.key, a.values) for a in cmd.axes] == [("ablate", ("none", "attention+mlp")), ("seed", ("0", "1", "2"))]
     assert cmd.options == StudyOptions(name="ab", parallel=2, setup=["module load cuda"])
+    assert cmd.axes[1].sets == ("seed_everything", "data.seed")
+    fixed_split = parse_command(["--study", "seeds=0,1", "data.seed=3", "--study.seed_keys", "seed_everything"])
+    assert fixed_split.axes == [Axis("data.seed", ("3",)), Axis("seed", ("0", "1"), ("seed_everything",))]
+    assert make_cells(fixed_split.axes, BASE)[1].overrides == ("--data.seed=3", "--seed_everything=1")
     other = parse_command(["--study=model.lr=0.001,0.002", "--study.time=90", "--study.mem_gb", "7.5", "--study.account", "123"])
     assert other.axes == [Axis("model.lr", ("0.001", "0.002"))] and other.options.time == 90 and other.options.mem_gb == 7.5
     assert other.options.account == "123"  # a name, even when it looks like a number
@@ -42,7 +47,7 @@ def test_study_file_with_command_line_overrides(tmp_path):
 
 
 def test_cells_vary_the_seed_slowest_and_set_the_config_keys():
-    axes = [Axis("ablate", ("none", "attention+mlp")), Axis("model.lr", ("0.1", "1e-3")), Axis("seed", ("0", "7"))]
+    axes = [Axis("ablate", ("none", "attention+mlp")), Axis("model.lr", ("0.1", "1e-3")), Axis("seed", ("0", "7"), SEEDS)]
     cells = make_cells(axes, BASE)
     assert len(cells) == 8 and [c.seed for c in cells] == ["0"] * 4 + ["7"] * 4
     first = cells[0]
@@ -51,7 +56,7 @@ def test_cells_vary_the_seed_slowest_and_set_the_config_keys():
     ablated = next(c for c in cells if c.values["ablate"] == "attention+mlp")
     spec = yaml.safe_load(ablated.overrides[0].split("=", 1)[1])
     assert spec == {"remove": ["attention", "mlp"], "blocks": [0, 1]}  # the base config's blocks are kept
-    no_data_seed = make_cells([Axis("seed", ("3",))], {"seed_everything": 0, "data": {}})
+    no_data_seed = make_cells([Axis("seed", ("3",), SEEDS)], {"seed_everything": 0, "data": {}})
     assert no_data_seed[0].overrides == ("--seed_everything=3",) and no_data_seed[0].variant == "-"
 
 
@@ -72,7 +77,8 @@ def test_ablate_components_are_those_of_the_model_families():
     (["--study", "seeds=0,0"], "--study seeds=...: 0 is listed twice"),
     (["--study", "ablate=none,attenton"], "--study ablate=attenton: unknown component 'attenton'; valid: none, residual"),
     (["--study", "seeds=0", "seed=1"], "--study: seed given twice"),
-    (["--study", "seed_everything=0,1"], "use seeds=..."),
+    (["--study", "seed_everything=0,1"], "--study seed_everything=...: a seed sets seed_everything (--study.seed_keys: seed_everything, data.seed); give seeds=... instead"),
+    (["--study", "seeds=0", "--study.seed_keys", "[]"], "--study.seed_keys must be a non-empty list of config keys"),
     (["--study", "trainer.logger.init_args.name=a,b"], "the study sets trainer.logger.init_args.name for each cell itself"),
     (["--study", "ckpt_path=a"], "the study sets ckpt_path"),
     (["--study", "nosuchfile.yaml"], "--study nosuchfile.yaml: no such study file"),

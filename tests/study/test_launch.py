@@ -46,7 +46,7 @@ def test_study_folder_refuses_another_grid_or_config_and_keeps_its_jobs(tmp_path
     folder.save(record)
     again = folder.open(_plan([{"key": "seed", "values": ["0", "1"]}]))
     assert again["jobs"] == {"a": "12_0"} and again["created"] == record["created"]
-    with pytest.raises(ValueError, match=r"holds a study of another grid \(seed=0,1; this command: seed=0,1,2\)"):
+    with pytest.raises(ValueError, match=r"holds a study of another grid \(there: seed=0,1; this command: seed=0,1,2\)"):
         folder.open(_plan([{"key": "seed", "values": ["0", "1", "2"]}]))
     with pytest.raises(ValueError, match=r"another config \(trainer.max_epochs: 2 there, 3 in this command\)"):
         folder.open(_plan([{"key": "seed", "values": ["0", "1"]}], max_epochs=3))
@@ -106,7 +106,7 @@ def test_other_refusals_in_one_line(tiny, tmp_path, capsys):
              ([*tiny, "--study", "seeds=0,1", "--study.name", "s"], None)]
     folder = StudyFolder(tmp_path / "runs" / "s")
     folder.open({"grid": [{"key": "seed", "values": ["0"]}], "base_config": {}, "cells": [], "cwd": "."})
-    cases[2] = (cases[2][0], f"vitlab: error: {folder.path} holds a study of another grid (seed=0; this command: seed=0,1)")
+    cases[2] = (cases[2][0], f"vitlab: error: {folder.path} holds a study of another grid (there: seed=0; this command: seed=0,1 [sets seed_everything, data.seed])")
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_:
             train_main(argv)
@@ -182,3 +182,15 @@ def test_slurm_job_array_script_and_a_rerun_that_leaves_queued_jobs_alone(tiny, 
     assert "#SBATCH --array=0-4%2" in resubmitted  # the five cells not done
     jobs = json.loads((folder / "study.json").read_text())["jobs"]
     assert jobs["ablate-none_seed-0"] == "4242_0" and jobs["ablate-mlp_seed-0"] == "4243_0"
+
+
+def test_a_cell_another_process_runs_is_left_alone(tiny, tmp_path, capsys):
+    folder = StudyFolder(tmp_path / "runs" / "tiny-seed")
+    with folder.lock("seed-0") as held, folder.lock("seed-1") as held_too:  # as a second command would find them
+        assert held is not None and held_too is not None
+        with pytest.raises(SystemExit) as exit_:
+            train_main([*tiny, "--study", "seeds=0,1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "seed-0: busy: another process is running it" in err
+    assert "2 of 2 cells did not finish here (seed-0, seed-1; 2 of them running in another process" in err
+    assert not folder.run_path("seed-0").exists() and folder.status("seed-0") == PENDING

@@ -39,8 +39,9 @@ def run_cell(study: str | os.PathLike, name: str, env: dict[str, str] | None = N
     or ``busy`` (another process holds it). ``env``: extra environment of the training process (its GPUs / cores).
 
     A done cell is left as it is. A cell with a ``last.ckpt`` resumes from it (``--ckpt_path``: its TensorBoard
-    keeps one point per step); a cell without one starts again from nothing, its partial folder (no checkpoint to
-    resume, so nothing of value) removed first so that the run is ``version_0`` again.
+    keeps one point per step); a cell without one starts again from nothing, its partial ``version_0`` (no
+    checkpoint to resume, so nothing of value) removed first so that the run is ``version_0`` again. The exit
+    status and the CPU seconds of the training process go into the cell's state (``cells/<cell>.json``).
     """
     folder = StudyFolder(study)
     with folder.lock(name) as fd:
@@ -92,6 +93,8 @@ def _wait(process: subprocess.Popen) -> tuple[int, float | None]:
 
 def _last_error(log: Path) -> str:
     """The line of the cell's log that says what went wrong (vitlab's one-line errors, else the last line)."""
-    lines = [line.rstrip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    text = log.read_text(errors="replace")
+    text = text[text.rfind("\n=== attempt "):]  # this attempt's output
+    lines = [line.rstrip() for line in text.splitlines()[2:] if line.strip()]
     errors = [line for line in lines if line.startswith("vitlab: error:") or "Error" in line.split(":", 1)[0]]
     return (errors or lines or ["(no output)"])[-1][:500]

@@ -21,8 +21,9 @@ from typing import Any
 
 import yaml
 
+from vitlab.study.cell import BUSY
 from vitlab.study.grid import ABLATE, SEED, Axis, StudyCommand, default_name, make_cells, parse_command
-from vitlab.study.record import DONE, FAILED, INTERRUPTED, StudyFolder
+from vitlab.study.record import DONE, FAILED, StudyFolder
 
 
 class StudyError(RuntimeError):
@@ -89,7 +90,7 @@ def plan_study(command: StudyCommand, fit: Callable[[list[str]], Any]) -> tuple[
         cells.append({"name": cell.name, "values": cell.values, "seed": cell.seed, "variant": cell.variant,
                       "run": f"{cell.name}/version_0", "args": [*command.run_args, *cell.overrides, *logger]})
     plan = {"name": folder.path.name, "cwd": os.getcwd(), "base_args": command.run_args, "base_config": base,
-            "grid": [{"key": a.key, "values": list(a.values)} for a in command.axes],
+            "grid": [{"key": a.key, "values": list(a.values), **({"sets": list(a.sets)} if a.sets else {})} for a in command.axes],
             "baseline": baseline_variant(command.axes), "cells": cells, "options": dataclasses.asdict(command.options)}
     return folder, plan
 
@@ -136,7 +137,7 @@ def run_study(argv: list[str], fit: Callable[[list[str]], Any]) -> dict[str, Any
             extra += " (resumed from its last.ckpt)"
         if status == FAILED:
             extra = f": {state.get('error')} (log: {folder.log_path(name)})"
-        if status == "busy":
+        if status == BUSY:
             extra = ": another process is running it"
         print(f"vitlab: study: [{done_count[0]}/{len(names)}] {name}: {status}{extra}", file=sys.stderr)
         record["status"] = {n: folder.status(n) for n in names}
@@ -159,14 +160,15 @@ def run_study(argv: list[str], fit: Callable[[list[str]], Any]) -> dict[str, Any
     record["status"] = {n: folder.status(n) for n in names}
     record["wall_s"] = round(time.time() - started, 1)
     folder.save(record)
-    failed = [n for n in names if record["status"][n] in (FAILED, INTERRUPTED)]
+    unfinished = [n for n in names if record["status"][n] != DONE]
     if options.launcher == "slurm":
         print(f"vitlab: study: submitted; rerun this command to see the cells' progress and resubmit any that stopped "
               f"(job logs: {folder.path / 'submitit'})", file=sys.stderr)
-    elif failed:
-        raise StudyError(f"study {folder.path}: {len(failed)} of {len(names)} cells did not finish ({', '.join(failed[:3])}"
-                         f"{', ...' if len(failed) > 3 else ''}; their logs: {folder.path / 'cells'}); rerun the same command "
-                         "to retry them")
+    elif unfinished:
+        elsewhere = sum(folder.busy(n) for n in unfinished)
+        raise StudyError(f"study {folder.path}: {len(unfinished)} of {len(names)} cells did not finish here "
+                         f"({', '.join(unfinished[:3])}{', ...' if len(unfinished) > 3 else ''}; {elsewhere} of them running in "
+                         f"another process; logs: {folder.path / 'cells'}); rerun the same command to retry them")
     else:
         print(f"\nvitlab: study finished: {len(names)} runs in {folder.path} ({record['wall_s']:.0f} s)\n"
               f"  claims over the seeds : python probe.py claims --study {folder.path}\n"

@@ -23,8 +23,9 @@ ALIASES = {"seeds": SEED, "seed": SEED, "ablate": ABLATE}  # grid keys that are 
 ABLATE_COMPONENTS = ("residual", "residual_attention", "residual_mlp", "residual_token_mixing", "layernorm", "norm1",
                      "norm2", "attention", "token_mixing", "mlp")
 LAUNCHERS = ("local", "submitit_local", "slurm")
-STUDY_FILE_KEYS = ("grid", "name", "launcher", "parallel", "gpus_per_run", "cpus_per_run", "mem_gb", "partition",
-                   "account", "time", "setup")
+STUDY_FILE_KEYS = ("grid", "name", "seed_keys", "launcher", "parallel", "gpus_per_run", "cpus_per_run", "mem_gb",
+                   "partition", "account", "time", "setup")
+SEED_KEYS = ["seed_everything", "data.seed"]  # what a seed sets by default: a run's whole randomness
 RESERVED = ("trainer.logger", "ckpt_path", "config")  # set by the study for each cell, never a grid key
 
 
@@ -34,6 +35,9 @@ class StudyOptions:
 
     Args:
         name: The study folder ``<trainer.logger save_dir>/<name>``; default ``<logger name>-<grid keys>``.
+        seed_keys: The config keys a seed sets: ``seed_everything`` (initialisation, dropout) and ``data.seed``
+            (the patient split, the order and the augmentations; left out where the data has no such key).
+            ``[seed_everything]`` keeps one split for every seed.
         launcher: ``local`` (subprocesses of this command), ``submitit_local`` (submitit's local executor: the
             cluster path on this machine) or ``slurm`` (one SLURM job array through submitit).
         parallel: Cells at once. ``auto``: one per GPU (``gpus_per_run`` each) when the config trains on GPUs,
@@ -49,6 +53,7 @@ class StudyOptions:
     """
 
     name: str | None = None
+    seed_keys: list[str] = field(default_factory=lambda: list(SEED_KEYS))
     launcher: str = "local"
     parallel: int | str = "auto"
     gpus_per_run: int = 1
@@ -83,6 +88,8 @@ class StudyOptions:
             raise ValueError(f"--study.name {self.name!r} must be a folder name, not a path (the folder goes under trainer.logger's save_dir)")
         if not isinstance(self.setup, list) or not all(isinstance(s, str) for s in self.setup):
             raise ValueError(f"--study.setup must be a list of shell lines, got {self.setup!r}")
+        if not isinstance(self.seed_keys, list) or not self.seed_keys or not all(isinstance(s, str) and s for s in self.seed_keys):
+            raise ValueError(f"--study.seed_keys must be a non-empty list of config keys, got {self.seed_keys!r}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class Axis:
 
     key: str
     values: tuple[str, ...]
+    sets: tuple[str, ...] = ()  # the seed axis: the config keys a seed sets
 
     @property
     def short(self) -> str:
@@ -99,9 +107,9 @@ class Axis:
 
     def overrides(self, value: str, base: dict[str, Any]) -> list[str]:
         """The ``train.py`` arguments that set this axis to ``value`` on the parsed base config ``base``."""
-        if self.key == SEED:  # the whole randomness of a run: initialisation, and the data's split, order and augmentation
+        if self.key == SEED:
             data = base.get("data") if isinstance(base.get("data"), dict) else {}
-            return [f"--seed_everything={value}"] + ([f"--data.seed={value}"] if "seed" in data else [])
+            return [f"--{key}={value}" for key in self.sets if key != "data.seed" or "seed" in data]
         if self.key == ABLATE:
             if value == "none":
                 return ["--model.ablate=null"]
@@ -228,7 +236,10 @@ def parse_command(argv: list[str]) -> StudyCommand:
         options[key] = text if key in ("name", "partition", "account") else yaml.safe_load(text)
     if isinstance(options.get("setup"), str):
         options["setup"] = [options["setup"]]
-    return StudyCommand(run_args, _axes(grid), StudyOptions(**options), print_config)
+    if isinstance(options.get("seed_keys"), str):
+        options["seed_keys"] = [options["seed_keys"]]
+    study_options = StudyOptions(**options)
+    return StudyCommand(run_args, _axes(grid, study_options.seed_keys), study_options, print_config)
 
 
 def _read_study_file(path: Path) -> tuple[dict[str, list[str]], dict[str, Any]]:
@@ -259,13 +270,14 @@ def _did_you_mean(key: str, known) -> str:
     return f" (did you mean {match[0]}?)" if match else ""
 
 
-def _axes(grid: dict[str, list[str]]) -> list[Axis]:
+def _axes(grid: dict[str, list[str]], seed_keys: list[str]) -> list[Axis]:
     """Axes in the grid's order with the seeds last; aliases resolved; reserved and repeated keys refused."""
     axes: list[Axis] = []
     for key, values in grid.items():
         name = ALIASES.get(key, key)
-        if key in ("seed_everything", "data.seed"):
-            raise ValueError(f"--study {key}=...: use seeds=... (it sets seed_everything and data.seed together)")
+        if key in seed_keys:
+            raise ValueError(f"--study {key}=...: a seed sets {key} (--study.seed_keys: {', '.join(seed_keys)}); give "
+                             "seeds=... instead")
         if any(key == r or key.startswith(r + ".") for r in RESERVED):
             raise ValueError(f"--study {key}=...: the study sets {key} for each cell itself (each cell is its own run folder); "
                              "not a grid key")
@@ -285,7 +297,7 @@ def _axes(grid: dict[str, list[str]]) -> list[Axis]:
                 if bad:
                     raise ValueError(f"--study ablate={value}: unknown component {bad[0]!r}; valid: none, "
                                      f"{', '.join(ABLATE_COMPONENTS)} (join several with +, e.g. attention+mlp)")
-        axes.append(Axis(name, tuple(values)))
+        axes.append(Axis(name, tuple(values), tuple(seed_keys) if name == SEED else ()))
     return sorted(axes, key=lambda a: a.key == SEED)  # stable: the seeds last
 
 

@@ -37,7 +37,8 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] 
 
 
 def grid_text(grid: list[dict[str, Any]]) -> str:
-    return " ".join(f"{axis['key']}={','.join(axis['values'])}" for axis in grid)
+    return " ".join(f"{axis['key']}={','.join(axis['values'])}" + (f" [sets {', '.join(axis['sets'])}]" if axis.get("sets") else "")
+                    for axis in grid)
 
 
 class StudyFolder:
@@ -66,7 +67,7 @@ class StudyFolder:
         if self.exists():
             old = self.load()
             if old.get("grid") != plan["grid"]:
-                raise ValueError(f"{self.path} holds a study of another grid ({grid_text(old.get('grid', []))}; this command: "
+                raise ValueError(f"{self.path} holds a study of another grid (there: {grid_text(old.get('grid', []))}; this command: "
                                  f"{grid_text(plan['grid'])}): rerun that grid, or give the new one its own --study.name")
             diff = _first_difference(old.get("base_config"), plan["base_config"])
             if diff:
