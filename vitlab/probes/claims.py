@@ -163,7 +163,7 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(header: dict[str, Any], results: list[C.Claim]) -> str:
-    lines = ["# Seed claims on this run", ""]
+    lines = ["# The papers' claims on this run", ""]
     lines += [f"- **{k}**: {v}" for k, v in header.items()]
     lines += ["", "| claim | statement | measured | comparison | T | verdict | note |", "|---|---|---|---|---|---|---|"]
     for c in results:
