@@ -137,7 +137,7 @@ def markdown(header: dict[str, Any], report: dict[str, Any], cells: list[CellRes
                      f"{_interval(c.estimate)} | {c.runs_holding}/{c.runs} | **{c.verdict}** | {c.reason} |")
     for u in report["untestable"]:
         lines.append(f"| {u['id']} | {u['variant']} | - | - | - | - | - | **{u['verdict']}** | {u['reason']} |")
-    lines += ["", "## The Attentionless table", "", f"Best validation balanced accuracy and the validation AUROC of that "
+    lines += ["", "## The Attentionless table", "", "Best validation balanced accuracy and the validation AUROC of that "
               "epoch, per variant: mean [95 % interval] over the seeds (values per seed in claims.json).", "",
               f"| variant | seeds | {ACC} | {AUROC} |", "|---|---|---|---|"]
     for row in report["table"]:

@@ -149,11 +149,11 @@ def run_study(argv: list[str], fit: Callable[[list[str]], Any]) -> dict[str, Any
     started = time.time()
     try:
         if options.launcher == "local":
-            results = launch.run_local(folder, todo, launch.slots(options.parallel, on_gpu, gpus, cores, options.gpus_per_run), report)
+            launch.run_local(folder, todo, launch.slots(options.parallel, on_gpu, gpus, cores, options.gpus_per_run), report)
         elif options.launcher == "submitit_local":
-            results = launch.run_submitit_local(folder, todo, options, on_gpu, report)
+            launch.run_submitit_local(folder, todo, options, on_gpu, report)
         else:
-            results = launch.submit_slurm(folder, record, todo, options, report)
+            launch.submit_slurm(folder, record, todo, options, report)
     except KeyboardInterrupt:
         print(f"\nvitlab: study interrupted; rerun the same command to resume it ({folder.path})", file=sys.stderr)
         sys.exit(130)
