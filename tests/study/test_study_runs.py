@@ -69,6 +69,10 @@ def test_grid_runs_two_at_a_time_and_its_claims_are_recomputable(tiny_dataset, h
     cfg_path = folder.path / "ablate-attention_seed-2" / "version_0" / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text())
     assert cfg["seed_everything"] == 2 and cfg["data"]["seed"] == 2 and cfg["model"]["ablate"]["remove"] == ["attention"]
+    cores = len(os.sched_getaffinity(0))
+    assert cfg["runtime"]["threads"] <= max(1, math.ceil(cores / 2))  # two at once: each run on its share of the cores
+    spans = [(folder.state(n)["started"], folder.state(n)["finished"]) for n in names]
+    assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:])  # they overlapped
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         fit(["--config", str(cfg_path), "--print_config"])
