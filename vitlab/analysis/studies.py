@@ -9,13 +9,12 @@ verdict applies the claim's rule to the interval: **holds** when every value of 
 Which bootstrap interval. At the few seeds a study has, the usual percentile and BCa intervals of a mean are
 too narrow: they resample the seeds' own spread (the plug-in variance, 1/n instead of 1/(n - 1)) and use
 normal quantiles instead of Student's t. On normal data at n = 5 a nominal 95 % BCa interval covers the mean
-about 83 % of the time, the percentile interval about 80 % (``benchmarks/bench_study_intervals.py``). The
+about 82 % of the time, and so does the percentile interval (``benchmarks/bench_study_intervals.py``). The
 seed intervals here are therefore Hesterberg's *expanded percentile* intervals (Hesterberg 2015, "What
 teachers should know about the bootstrap", The American Statistician 69(4)): the percentile interval of
 ``scipy.stats.bootstrap`` taken at the wider level 1 - 2 Phi(-sqrt(n / (n - 1)) t_{n-1, 0.975}), which
-corrects both (about 92 % at n = 5, 95 % at n = 10). At n = 3 that level exceeds every resample quantile
-and the interval is the seeds' range (covering about 75 % of the time): three seeds support little, and
-the report says so. Within one run, intervals over blocks (:func:`block_interval`) use BCa where it is
+corrects both (about 90 % at n = 5, 94 % at n = 10, on normal data). At n = 3 every percentile interval is
+the seeds' range (covering about 75 % of the time): three seeds support little (``docs/studies.md``). Within one run, intervals over blocks (:func:`block_interval`) use BCa where it is
 defined, else the percentile interval, at 95 %.
 """
 
