@@ -82,3 +82,22 @@ def test_figures_are_written_as_png_and_tensorboard_images(tmp_path):
     assert set(acc.Tags()["images"]) == {"study/claims_forest", "study/attentionless_table", "study/curves/val/balanced_acc"}
     image = acc.Images("study/claims_forest")[0]
     assert image.width > 800 and image.height > 400
+
+
+def test_spectral_claims_are_untestable_when_the_attention_weights_never_trained():
+    import torch
+
+    from vitlab.models import build_model
+    from vitlab.probes.claims import evaluate
+    from vitlab.qkv.state import head_counts, qkv_state
+
+    torch.manual_seed(0)
+    model = build_model("swin_tiny_patch4_window7_224", 2, in_chans=1, img_size=32, patch_size=4, embed_dim=16,
+                        depths=(2, 2), num_heads=(1, 2), window_size=4)
+    ref = qkv_state(model)
+    moved = {k: v + 0.01 * torch.randn_like(v) for k, v in ref.items()}
+    trained = {c.id: c.verdict for c in evaluate(ref, moved, head_counts(model), [], 19, 0)}
+    assert all(trained[k] in ("holds", "does not hold") for k in ("000-a", "002-a", "002-b", "002-c"))
+    frozen = {c.id: c for c in evaluate(ref, {k: v.clone() for k, v in ref.items()}, head_counts(model), [], 19, 0)}
+    for claim_id in ("000-a", "000-b", "000-c", "000-d", "002-a", "002-b", "002-c"):
+        assert frozen[claim_id].verdict == "not testable" and "did not change" in frozen[claim_id].reason

@@ -75,7 +75,7 @@ def _check_rows(rows: Rows) -> None:
             raise ValueError(f"claims: matrix {m!r} of block {block!r} is not one of q, k, v")
 
 
-def _unchanged(rows: Rows) -> bool:
+def weights_unchanged(rows: Rows) -> bool:
     """Whether no Q/K/V row moved at all (an ablated branch gets no gradient): drift claims have nothing to compare."""
     moved = [float(r["euclidean"].abs().max()) for r in rows.values() if "euclidean" in r]
     return bool(moved) and max(moved) == 0.0
@@ -128,7 +128,7 @@ def claim_000a(rows: Rows, seed: int = 0) -> Claim:
     """
     _check_rows(rows)
     text = "MSE and Euclidean drift are smallest in V, in every stage"
-    if _unchanged(rows):
+    if weights_unchanged(rows):
         return untestable("000-a", text, NO_DRIFT)
     metrics = ("mse", "euclidean")
     blocks, means = _block_means(rows, metrics)
@@ -151,7 +151,7 @@ def claim_000b(rows: Rows, seed: int = 0) -> Claim:
     T = dot(V) - min(dot(Q), dot(K)) (means over blocks and rows); holds when T < 0.
     """
     _check_rows(rows)
-    if _unchanged(rows):
+    if weights_unchanged(rows):
         return untestable("000-b", "dot product (reference row . current row) decreases in V", NO_DRIFT)
     blocks, means = _block_means(rows, ("dot", "cur_norm"))
     strata = _strata(blocks)
@@ -186,7 +186,7 @@ def claim_000c(rows: Rows, seed: int = 0) -> Claim:
     T = spread(cosine) - min(spread(Euclidean), spread(MSE)); holds when T < 0.
     """
     _check_rows(rows)
-    if _unchanged(rows):
+    if weights_unchanged(rows):
         return untestable("000-c", "cosine drift changes least globally", NO_DRIFT)
     metrics = ("cosine_distance", "euclidean", "mse")
     blocks, means = _block_means(rows, metrics)
@@ -239,7 +239,7 @@ def claim_000d(rows: Rows, heads: Mapping[str, int], metric: str = "euclidean", 
     text = "local clusters within sub-matrices (drift differs between heads)"
     if all(heads.get(b, 1) < 2 for b, _ in rows):
         return untestable("000-d", text, "every block has one head: no between-head structure to test")
-    if _unchanged(rows):
+    if weights_unchanged(rows):
         return untestable("000-d", text, NO_DRIFT)
     gen = torch.Generator().manual_seed(seed)
     per_pair, significant, tested = {}, 0, 0

@@ -81,7 +81,8 @@ def forest_figure(claims: Sequence[Mapping[str, Any]], title: str):
     per variant, ``verdict`` set).
     """
     heights = [0.9 + 0.32 * len(c["rows"]) for c in claims]
-    fig = new_figure((11.0, 1.0 + sum(heights)), dpi=100)
+    total = 1.0 + sum(heights)  # inches
+    fig = new_figure((11.0, total), dpi=100)
     axes = fig.subplots(len(claims), 1, gridspec_kw={"height_ratios": heights}, squeeze=False)[:, 0]
 
     def color_of(row: Row) -> str:
@@ -96,7 +97,7 @@ def forest_figure(claims: Sequence[Mapping[str, Any]], title: str):
         ax.tick_params(axis="x", labelsize=7.5)
     fig.suptitle(f"{title}\nclaims over seeds: dots = runs, diamond = mean, bar = 95 % interval of the mean "
                  "(green: holds, red: does not hold, orange: inconclusive, grey: too few seeds)", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.72, 1))
+    fig.tight_layout(rect=(0, 0, 0.72, 1 - 0.55 / total))  # right: the values; top: the title's two lines
     return fig
 
 

@@ -138,14 +138,19 @@ def evaluate(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], heads: 
     spectra = block_spectra(cur, heads)
     summed = {b: {k: float(getattr(s.summed, k)[0]) for k in ("positive_mass", "symmetry_score", "effective_rank")} for b, s in spectra.items()}
     head_mean = {b: float(s.positive_mass.float().mean()) for b, s in spectra.items()}
+    spectral = [
+        C.claim_002a({b: v["positive_mass"] for b, v in summed.items()}, head_mean),
+        C.claim_002b({b: v["symmetry_score"] for b, v in summed.items()}),
+        C.claim_002c({b: v["effective_rank"] for b, v in summed.items()}, {b: int(cur[f"{b}.q.weight"].shape[1]) for b in heads}),
+    ]
+    if C.weights_unchanged(rows):  # W_Q W_K^T never trained (e.g. attention removed): the spectra are the initial weights'
+        spectral = [C.untestable(c.id, c.claim, f"{C.NO_DRIFT}: the spectra are those of the initial weights") for c in spectral]
     return [
         C.claim_000a(rows, seed),
         C.claim_000b(rows, seed),
         C.claim_000c(rows, seed),
         C.claim_000d(rows, heads, permutations=permutations, seed=seed),
-        C.claim_002a({b: v["positive_mass"] for b, v in summed.items()}, head_mean),
-        C.claim_002b({b: v["symmetry_score"] for b, v in summed.items()}),
-        C.claim_002c({b: v["effective_rank"] for b, v in summed.items()}, {b: int(cur[f"{b}.q.weight"].shape[1]) for b in heads}),
+        *spectral,
         C.claim_003a(ablations),
         C.claim_003b(ablations),
     ]
