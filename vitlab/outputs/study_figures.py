@@ -136,7 +136,7 @@ def curves_figure(metric: str, curves: Mapping[str, Mapping[str, Sequence[tuple[
 
     ``curves``: variant -> seed -> [(epoch, value)]; epochs missing in some seed are left out of the mean.
     """
-    fig = new_figure((8.0, 4.6), dpi=100)
+    fig = new_figure((10.0, 4.6), dpi=100)
     ax = fig.subplots()
     palette = matplotlib.colormaps["tab10"]
     for i, (variant, by_seed) in enumerate(curves.items()):
@@ -154,7 +154,7 @@ def curves_figure(metric: str, curves: Mapping[str, Mapping[str, Sequence[tuple[
     ax.set_xlabel("epochs trained")
     ax.set_ylabel(metric)
     ax.grid(color="0.92", lw=0.6)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="variant", title_fontsize=8)
     ax.set_title(f"{title}\n{metric} per variant: line = mean over seeds, band = min to max over seeds", fontsize=9)
     fig.tight_layout()
     return fig
