@@ -10,7 +10,8 @@ import torch
 
 from vitlab.cli import fit, train_main
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+STUDIES = sorted((Path(__file__).parent.parent / "configs").glob("study_*.yaml"))  # grids for train.py --study
+CONFIGS = sorted(set((Path(__file__).parent.parent / "configs").glob("*.yaml")) - set(STUDIES))
 DENSE = [c for c in CONFIGS if c.stem in ("quickstart_detection", "quickstart_segmentation")]  # need masks
 VOLUMES = [c for c in CONFIGS if c.stem in ("quickstart_slab", "quickstart_volume")]  # need volumes
 SMALL = [c for c in CONFIGS if c.stem.startswith(("ablation_", "mixer", "quickstart", "dino")) and c not in DENSE + VOLUMES and c.stem != "quickstart_pretrained"]
@@ -30,6 +31,13 @@ def test_config_parses(config, capsys):
     assert exc.value.code == 0
     printed = capsys.readouterr().out
     assert "model_name" in printed and "trainer" in printed
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda c: c.stem)
+def test_study_file_plans_over_the_quickstart(study, capsys):
+    with pytest.raises(SystemExit) as exc:
+        fit(["--config", "quickstart", "--study", str(study), "--print_config"])
+    assert exc.value.code == 0 and "cells:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("config", SMALL, ids=lambda c: c.stem)

@@ -159,7 +159,6 @@ PATH_REF = re.compile(r"(?<![\w./-])((?:vitlab|tests|docs|benchmarks|configs)/[\
 MODULE_REF = re.compile(r"(?<![\w./-])(vitlab(?:\.\w+)+)")  # a module, a name in it, or a class's attribute
 # what a reader of the repository cannot follow: the project's own planning documents and issue numbers
 PRIVATE_REF = re.compile(r"\bSPEC\b|\b[Ss]eeds? 00[0-9]\b|\b[Ii]ssues? #?[0-9]+")
-PRIVATE_REF_PENDING = {"vitlab/probes/claims.py"}  # rewritten on another branch, which drops its reference
 SOURCES = sorted([*REPO.glob("vitlab/**/*.py"), *REPO.glob("tests/**/*.py"), *REPO.glob("benchmarks/*.py"),
                   REPO / "train.py", REPO / "probe.py"])
 NOTES = [*DOC_FILES, *sorted((REPO / "configs").glob("*.yaml"))]
@@ -267,5 +266,5 @@ def test_modules_and_names_named_in_docs_docstrings_and_comments_exist():
 
 def test_no_reference_a_reader_of_the_repository_cannot_follow():
     found = [f"{where}:{line}: {match.group(0)!r}" for where, line, text in _references()
-             if where not in PRIVATE_REF_PENDING for match in PRIVATE_REF.finditer(text)]
+             for match in PRIVATE_REF.finditer(text)]
     assert not found, "cite the paper's short name (README: the papers behind vitlab) or docs/:\n" + "\n".join(found)

@@ -202,8 +202,14 @@ def _report(trainer, checkpoints: list[tuple[Any, str, Any]]) -> None:
 
 
 def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
-    """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data)."""
+    """Parse a train config, fit, test when a test split exists, and return the CLI (trainer, model, data).
+
+    With ``--study``: run a grid of such fits instead and return its record (:mod:`vitlab.study`)."""
     cli_support.quiet_output()
+    from vitlab import study
+
+    if not isinstance(args, dict) and study.requested(list(sys.argv[1:] if args is None else args)):
+        return study.run_study(list(sys.argv[1:] if args is None else args), fit)
     task = _task_of(args)
     model_class, data_class, _ = TASKS[task]
     return _fit(task, model_class, data_class, args)

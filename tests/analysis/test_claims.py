@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -141,3 +143,85 @@ def test_003_ablation_claims():
     assert claim_003b(runs).verdict == FAILS
     none = claim_003a([])
     assert none.verdict == UNTESTABLE and "--ablation-run" in none.reason
+
+
+# ------------------------------------------------------------------------------ each claim as one number T
+
+
+def _random_rows(seed: int, blocks=("stage0.block0", "stage0.block1", "stage0.block2", "stage1.block0", "stage1.block1")):
+    g = torch.Generator().manual_seed(seed)
+    scales = {b: {m: float(torch.rand(1, generator=g)) * 0.5 + 0.01 for m in "qkv"} for b in blocks}
+    out = {}
+    for b in blocks:
+        for m in "qkv":
+            rows, d = 2 * int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(3, 9, (1,), generator=g))
+            ref = torch.randn(rows, d, generator=g)
+            out[(b, m)] = row_drift(ref, ref * (1 + 0.3 * torch.randn(1, generator=g)) + scales[b][m] * torch.randn(rows, d, generator=g))
+    return out
+
+
+def _mean(rows, block, m, metric):
+    return float(rows[(block, m)][metric].double().mean())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_verdict_is_the_claims_rule_applied_to_its_score(seed):
+    from vitlab.analysis.studies import satisfies
+
+    rows = _random_rows(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    blocks = [f"b{i}" for i in range(6)]
+    mass = {b: float(torch.rand(1, generator=g)) * 0.4 + 0.35 for b in blocks}
+    sym = {b: float(torch.rand(1, generator=g)) * 2 - 1 for b in blocks}
+    rank = {b: float(torch.rand(1, generator=g)) * 10 + 1 for b in blocks}
+    acc = [("r", ["residual"], float(torch.rand(1, generator=g)) * 0.3 + 0.4, 2),
+           ("a", ["attention"], float(torch.rand(1, generator=g)) * 0.5 + 0.4, 3)]
+    claims = [claim_000a(rows), claim_000b(rows), claim_000c(rows), claim_000d(rows, {b: 2 for b, _ in rows}, permutations=19),
+              claim_002a(mass, mass), claim_002b(sym), claim_002c(rank), claim_003a(acc), claim_003b(acc)]
+    for c in claims:
+        assert c.verdict == (HOLDS if satisfies(c.score, c.holds_when, c.threshold) else FAILS), c.id
+        assert c.holds_when in c.comparison and f"{c.threshold:g}" in c.comparison, c.id
+    stages = {"stage0": ["stage0.block0", "stage0.block1", "stage0.block2"], "stage1": ["stage1.block0", "stage1.block1"]}
+    ratio = max(sum(_mean(rows, b, "v", metric) for b in bs) / min(sum(_mean(rows, b, "q", metric) for b in bs),
+                                                                 sum(_mean(rows, b, "k", metric) for b in bs))
+                for bs in stages.values() for metric in ("mse", "euclidean"))
+    assert claims[0].score == pytest.approx(ratio, rel=1e-12)
+    dots = {m: sum(_mean(rows, b, m, "dot") for bs in stages.values() for b in bs) / 5 for m in "qkv"}
+    assert claims[1].score == pytest.approx(dots["v"] - min(dots["q"], dots["k"]), rel=1e-9, abs=1e-12)
+    assert claims[4].score == min(mass.values()) and claims[6].score == pytest.approx(rank["b5"] - float(torch.tensor([rank[b] for b in blocks[:5]]).median()))
+    assert claims[7].score == pytest.approx(acc[0][2] - 0.5) and claims[8].score == pytest.approx(acc[1][2] - 1 / 3)
+
+
+def test_ablation_claim_at_its_boundary_holds():
+    assert claim_003a([("r", ["residual"], 0.55, 2)]).verdict == HOLDS  # 0.55 - 0.5 <= 0.05 despite rounding
+    assert claim_003b([("a", ["attention"], 0.6, 2)]).verdict == HOLDS
+
+
+def test_drift_claims_carry_a_block_bootstrap_interval_within_stages():
+    from scipy.stats import bootstrap
+
+    rows = _random_rows(7)
+    c = claim_000b(rows, seed=3)
+    assert c.interval["unit"].startswith("blocks, resampled within each stage") and c.interval["resamples"] == 9999
+    stage0, stage1 = ["stage0.block0", "stage0.block1", "stage0.block2"], ["stage1.block0", "stage1.block1"]
+    names = stage0 + stage1
+    dot = {m: np.array([_mean(rows, b, m, "dot") for b in names]) for m in "qkv"}
+
+    def direct(a, b, axis=-1):  # blocks drawn with replacement within each stage, pooled, then the claim's T
+        idx = np.concatenate([a, b], axis=-1)
+        return dot["v"][idx].mean(-1) - np.minimum(dot["q"][idx].mean(-1), dot["k"][idx].mean(-1))
+
+    ci = bootstrap((np.arange(3), np.arange(3, 5)), direct, n_resamples=9999, method="BCa", random_state=3,
+                   vectorized=True).confidence_interval
+    if not np.isfinite(ci.low):
+        ci = bootstrap((np.arange(3), np.arange(3, 5)), direct, n_resamples=9999, method="percentile", random_state=3,
+                       vectorized=True).confidence_interval
+    assert (c.interval["low"], c.interval["high"]) == pytest.approx((ci.low, ci.high), rel=1e-9)
+    single = {k: v for k, v in rows.items() if k[0] in ("stage0.block0", "stage1.block0")}
+    assert claim_000a(single).interval is None  # one block per stage: nothing to resample
+
+
+def test_unchanged_weights_make_000a_untestable():
+    ref = torch.randn(4, 3)
+    rows = {("stage0.block0", m): row_drift(ref, ref.clone()) for m in "qkv"}
+    assert all(c.verdict == UNTESTABLE and "did not change" in c.reason for c in (claim_000a(rows), claim_000b(rows), claim_000c(rows), claim_000d(rows, {"stage0.block0": 2})))

@@ -1,4 +1,6 @@
-"""probe.py claims: which of the seeds' claims (SPEC §10) hold on a finished run. Thin glue over vitlab.analysis.claims."""
+"""probe.py claims: which of the papers' claims hold on a finished run, or over a study's seeds and variants.
+
+Thin glue over :mod:`vitlab.analysis.claims` (one run) and :mod:`vitlab.probes.study_claims` (a study)."""
 
 from __future__ import annotations
 
@@ -13,17 +15,22 @@ from vitlab.qkv.state import load_snapshot
 from vitlab.analysis import drift_tables
 from vitlab.analysis import block_spectra
 from vitlab.outputs.files import write_json
+from vitlab.probes import study_claims
+from vitlab.study.runfolder import RunFolder
 
 HELP = """Report which claims of the Drotos poster, Philip et al. and the Attentionless article hold on a finished run: claims.md + claims.json.
 
 Reads the run's Q/K/V snapshots (qkv/epoch_*.safetensors: the first vs the last epoch for drift, the last one for
 the QK spectra), and for the Attentionless article the best val/balanced_acc of ablation runs (their event files and config.yaml).
 With --reference RUN_A --finetuned RUN_B it compares RUN_A's last snapshot (e.g. a DINO pretraining) with RUN_B's
-last snapshot; each of them may also be a snapshot file.
+last snapshot; each of them may also be a snapshot file. With --study (a folder of train.py --study) each claim is
+taken over the seeds of every variant: the mean, a 95 % bootstrap interval and a verdict on the interval, with the
+Attentionless table, paired differences against the baseline and figures (default output: STUDY/claims).
 
 example:
   python probe.py claims --run runs/quickstart/version_0
   python probe.py claims --run runs/quickstart/version_0 --ablation-run runs/ablation_attention/version_0
+  python probe.py claims --study runs/attentionless
 """
 LOADS_MODEL = False
 
@@ -34,15 +41,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--reference", type=Path, default=None, help="with --finetuned: the run (or snapshot) before fine-tuning")
     src.add_argument("--finetuned", type=Path, default=None, help="with --reference: the run (or snapshot) after fine-tuning")
     src.add_argument("--ablation-run", type=Path, action="append", default=[], help="an ablation run folder (repeatable) for the Attentionless article claims")
+    src.add_argument("--study", type=Path, default=None, help="a study folder (train.py --study): the claims over its seeds and variants")
     src.add_argument("--permutations", type=int, default=999, help="permutations of the 000-d head-cluster null (default 999)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="output folder (default runs/probe-claims-<run name>/)")
     out.add_argument("--overwrite", action="store_true", help="replace the results already in --out")
-    out.add_argument("--seed", type=int, default=0)
+    out.add_argument("--seed", type=int, default=0, help="seed of the permutation nulls and random_state of the bootstrap intervals")
     out.add_argument("--device", default="cpu")
 
 
+def fill_defaults(args: argparse.Namespace) -> None:
+    """--study: the report goes into STUDY/claims unless --out says otherwise."""
+    if args.study is not None:
+        if args.run or args.reference or args.finetuned or args.ablation_run:
+            raise ValueError("probe.py claims: --study reads the runs of the study; give it alone (no --run, --reference, "
+                             "--finetuned, --ablation-run)")
+        if not (args.study / "study.json").is_file():
+            raise FileNotFoundError(f"--study {args.study}: no study.json (a study folder is made by train.py --config CONFIG "
+                                    "--study KEY=V1,V2 ...)")
+        if args.out is None:
+            args.out = args.study / "claims"
+
+
 def out_name(args: argparse.Namespace, loaded) -> str:
+    if args.study is not None:
+        return Path(args.study).name
     path = args.run or args.finetuned
     if path is None:
         raise ValueError("probe.py claims: give --run RUN, or --reference RUN_A --finetuned RUN_B")
@@ -94,29 +117,19 @@ def weights_pair(args: argparse.Namespace) -> tuple[tuple, tuple]:
 
 def ablation_result(run: Path) -> tuple[str, list[str], float, int]:
     """(name, removed components, best val/balanced_acc, number of classes) of an ablation run folder."""
-    import yaml
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    cfg_path = run / "config.yaml"
-    if not cfg_path.is_file():
+    folder = RunFolder(run)
+    if not folder.config:
         raise FileNotFoundError(f"--ablation-run {run}: no config.yaml (expected a train.py run folder runs/<name>/<version>)")
-    model = (yaml.safe_load(cfg_path.read_text()) or {}).get("model") or {}
-    model = model.get("init_args", model)
-    removed = list(((model.get("ablate") or {}).get("remove")) or [])
+    removed = folder.removed()
     if not removed:
         raise ValueError(f"--ablation-run {run}: config.yaml has no model.ablate.remove (not an ablation run)")
-    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    acc.Reload()
-    if "val/balanced_acc" not in acc.Tags()["scalars"]:
+    accuracy = folder.scalars("val/balanced_acc")
+    if not accuracy:
         raise ValueError(f"--ablation-run {run}: its event files have no val/balanced_acc scalar (did it validate?)")
-    best = max(e.value for e in acc.Scalars("val/balanced_acc"))
-    classes = model.get("num_classes")
-    ckpt = run / "checkpoints" / "last.ckpt"
-    if classes is None and ckpt.is_file():
-        classes = torch.load(ckpt, map_location="cpu", weights_only=False).get("hyper_parameters", {}).get("num_classes")
+    classes = folder.num_classes()
     if not classes:
         raise ValueError(f"--ablation-run {run}: number of classes unknown (no model.num_classes in config.yaml, no checkpoints/last.ckpt)")
-    return f"{run.parent.name}/{run.name}", removed, float(best), int(classes)
+    return f"{run.parent.name}/{run.name}", removed, max(v for _, v in accuracy), classes
 
 
 def evaluate(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], heads: dict[str, int], ablations, permutations: int, seed: int) -> list[C.Claim]:
@@ -125,14 +138,19 @@ def evaluate(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], heads: 
     spectra = block_spectra(cur, heads)
     summed = {b: {k: float(getattr(s.summed, k)[0]) for k in ("positive_mass", "symmetry_score", "effective_rank")} for b, s in spectra.items()}
     head_mean = {b: float(s.positive_mass.float().mean()) for b, s in spectra.items()}
-    return [
-        C.claim_000a(rows),
-        C.claim_000b(rows),
-        C.claim_000c(rows),
-        C.claim_000d(rows, heads, permutations=permutations, seed=seed),
+    spectral = [
         C.claim_002a({b: v["positive_mass"] for b, v in summed.items()}, head_mean),
         C.claim_002b({b: v["symmetry_score"] for b, v in summed.items()}),
         C.claim_002c({b: v["effective_rank"] for b, v in summed.items()}, {b: int(cur[f"{b}.q.weight"].shape[1]) for b in heads}),
+    ]
+    if C.weights_unchanged(rows):  # W_Q W_K^T never trained (e.g. attention removed): the spectra are the initial weights'
+        spectral = [C.untestable(c.id, c.claim, f"{C.NO_DRIFT}: the spectra are those of the initial weights") for c in spectral]
+    return [
+        C.claim_000a(rows, seed),
+        C.claim_000b(rows, seed),
+        C.claim_000c(rows, seed),
+        C.claim_000d(rows, heads, permutations=permutations, seed=seed),
+        *spectral,
         C.claim_003a(ablations),
         C.claim_003b(ablations),
     ]
@@ -150,16 +168,33 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(header: dict[str, Any], results: list[C.Claim]) -> str:
-    lines = ["# Seed claims on this run", ""]
+    lines = ["# The papers' claims on this run", ""]
     lines += [f"- **{k}**: {v}" for k, v in header.items()]
-    lines += ["", "| claim | statement | measured | comparison | verdict | note |", "|---|---|---|---|---|---|"]
+    lines += ["", "| claim | statement | measured | comparison | T | verdict | note |", "|---|---|---|---|---|---|---|"]
     for c in results:
-        lines.append(f"| {c.id} | {c.claim} | {c.statistic}: {_fmt(c.value) if c.value else '-'} | {c.comparison} | **{c.verdict}** | {c.reason} |")
+        score = "-" if c.score is None else f"{c.score:.4g}"
+        if c.interval:
+            score += f" (95 % CI [{c.interval['low']:.4g}, {c.interval['high']:.4g}], {c.interval['unit']}, {c.interval['method']})"
+        lines.append(f"| {c.id} | {c.claim} | {c.statistic}: {_fmt(c.value) if c.value else '-'} | {c.comparison} | {score} | "
+                     f"**{c.verdict}** | {c.reason} |")
     return "\n".join(lines) + "\n"
+
+
+def claims_of_run(run: Path, permutations: int, seed: int) -> list[C.Claim]:
+    """The claims of one run folder's own weights, its first vs last snapshot (000-*, 002-*)."""
+    found = snapshots(run)
+    if len(found) < 2:
+        raise ValueError(f"{run}: only {found[0].name}; the drift claims need a later snapshot")
+    (ref, _, _), (cur, meta, _) = _read(found[0], last=False), _read(found[-1], last=True)
+    heads = {str(k): int(v) for k, v in meta["heads"].items()}
+    return evaluate(ref, cur, heads, [], permutations, seed)[:7]
 
 
 def run(ctx) -> None:
     args = ctx.args
+    if args.study is not None:
+        study_claims.run(ctx, lambda path: claims_of_run(path, args.permutations, args.seed))
+        return
     (ref, ref_meta, ref_label), (cur, cur_meta, cur_label) = weights_pair(args)
     heads = {str(k): int(v) for k, v in cur_meta["heads"].items()}
     if ref.keys() != cur.keys() or {str(k): int(v) for k, v in ref_meta["heads"].items()} != heads:
