@@ -92,8 +92,8 @@ class RuntimeCallback(pl.Callback):
 
         from vitlab.checkpoint_writer import BackgroundCheckpointIO
 
-        strategy = trainer.strategy
-        if self.checkpoints == "inline" or isinstance(strategy.checkpoint_io, BackgroundCheckpointIO):
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is None or self.checkpoints == "inline" or isinstance(strategy.checkpoint_io, BackgroundCheckpointIO):
             return
         plain = type(strategy.checkpoint_io) is TorchCheckpointIO and type(strategy) in (SingleDeviceStrategy, DDPStrategy)
         if self.checkpoints == "auto" and not (plain and strategy.root_device.type == "cuda"):
