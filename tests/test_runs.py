@@ -275,3 +275,75 @@ def test_a_run_folder_gives_its_snapshots_and_scalars(tmp_path):
     read = run.scalars("val/balanced_acc")
     assert [s for s, _ in read] == [0, 1, 2] and all(math.isclose(a, b, rel_tol=1e-6) for (_, a), b in zip(read, values))
     assert run.scalars("val/never") == []
+
+
+def test_data_modules_are_recorded_as_their_lightning_free_class(tiny_dataset):
+    from vitlab.data import DenseDataModule, MedicalDataModule
+
+    dm = MedicalDataModule(root=str(tiny_dataset), image_size=32, num_workers=0)
+    record = DataRecord.of(dm)
+    assert record.kind == "ImageData" and record.arguments == dm.arguments and not record.dense
+    assert DataRecord.of(DenseDataModule(root=str(tiny_dataset), image_size=32, num_workers=0)).kind == "DenseImageData"
+    rebuilt = record.build()
+    assert type(rebuilt).__name__ == "ImageData" and rebuilt.arguments == dm.arguments
+    with pytest.raises(TypeError, match="not a vitlab data module"):
+        DataRecord.of(object())
+
+
+def tiny_fit_args(manifest: Path, save_dir: Path, *extra: str) -> list[str]:
+    cfg = {"seed_everything": 0,
+           "trainer": {"max_epochs": 1, "accelerator": "cpu", "devices": 1, "enable_progress_bar": False, "enable_model_summary": False,
+                       "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                                  "init_args": {"save_dir": str(save_dir), "name": "tiny", "default_hp_metric": False}}},
+           "model": {**SWIN, "model_kwargs": {**SWIN["model_kwargs"], "img_size": 32}, "ablate": {"remove": ["mlp"], "blocks": [0]}},
+           "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "val_fraction": 0.25}}
+    save_dir.mkdir(parents=True, exist_ok=True)
+    (save_dir / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return ["--config", str(save_dir / "cfg.yaml"), *extra]
+
+
+@pytest.mark.slow
+def test_a_trained_run_records_itself_and_reopens_without_its_record(tiny_dataset, tmp_path):
+    """train.py's checkpoints and config.yaml hold the same record; config.yaml still repeats the run; resuming another
+    task's checkpoint is one line; the run as main wrote it (no record) gives the probes the same images and outputs."""
+    import argparse
+    import shutil
+
+    from vitlab.cli import fit
+    from vitlab.probes.loading import load_model
+    from vitlab.probes.streams import load_images
+
+    cli = fit(tiny_fit_args(tiny_dataset, tmp_path / "runs"))
+    folder = tmp_path / "runs" / "tiny" / "version_0"
+    checkpoint = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    record = checkpoint[RECORD_KEY]
+    assert record == yaml.safe_load((folder / "config.yaml").read_text())[RECORD_KEY]
+    assert record["data"] == {"class": "ImageData", "arguments": checkpoint["datamodule_hyper_parameters"]}
+    assert record["ablate"] == {"remove": ["mlp"], "blocks": [0]} and recorded_task(folder / "checkpoints" / "last.ckpt") == "classification"
+    built = RunRecord.from_dict(record, "last.ckpt").model.build()
+    assert built.state_dict().keys() == cli.model.model.state_dict().keys()
+
+    again = fit(["--config", str(folder / "config.yaml"), "--trainer.logger.init_args.save_dir", str(tmp_path / "again")])
+    assert again.model.run_record(again.datamodule) == record  # the saved config builds the same run
+    other = dict(checkpoint, **{RECORD_KEY: {**record, "task": "dino"}})
+    torch.save(other, tmp_path / "dino.ckpt")
+    with pytest.raises(ValueError, match=r"dino.ckpt: a dino checkpoint; this config trains classification \(resume it with task: dino\)"):
+        fit(tiny_fit_args(tiny_dataset, tmp_path / "resume", "--ckpt_path", str(tmp_path / "dino.ckpt")))
+
+    old = tmp_path / "old" / "tiny" / "version_0"  # the same run as written before runs recorded themselves
+    shutil.copytree(folder, old)
+    torch.save({k: v for k, v in checkpoint.items() if k != RECORD_KEY}, old / "checkpoints" / "last.ckpt")
+    config = yaml.safe_load((old / "config.yaml").read_text())
+    (old / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in config.items() if k != RECORD_KEY}))
+    batches = []
+    for run in (folder, old):
+        args = argparse.Namespace(checkpoint=run / "checkpoints" / "last.ckpt", config=None, model=None, images=None, num_images=4,
+                                  split="val", seed=0)
+        loaded = load_model(args)
+        batch = load_images(args, loaded, 4)
+        with torch.no_grad():
+            batches.append((batch.names, batch.inputs, loaded.model(batch.inputs), loaded.class_names))
+    (names, inputs, logits, classes), (old_names, old_inputs, old_logits, old_classes) = batches
+    assert names == old_names and torch.equal(inputs, old_inputs) and torch.equal(logits, old_logits) and classes == old_classes
+    with torch.no_grad():  # the trained, ablated network itself
+        assert torch.equal(logits, cli.model.model.eval()(inputs))
