@@ -14,7 +14,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 from pytorch_lightning.utilities.model_helpers import is_overridden  # noqa: E402
 
-from vitlab import cli_support  # noqa: E402
+from vitlab import cli_support, runs  # noqa: E402
+from vitlab.run_record import RECORD_KEY  # noqa: E402
 from vitlab.data import DenseDataModule, MedicalDataModule  # noqa: E402
 from vitlab.probe_cli import _exit_with_message, probe_main  # noqa: E402,F401 - Lightning-free, shared with probe.py
 from vitlab.training import ClassificationModule, DetectionModule, DINOModule, SegmentationModule  # noqa: E402
@@ -65,6 +66,7 @@ class VitlabCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
+        self._recipe[RECORD_KEY] = self.model.run_record(self.datamodule)  # what built the run, as its checkpoints say
         cli_support.save_recipe(self.trainer, self._recipe)  # config.yaml repeats the run, never re-resumes
         from vitlab.callbacks import RuntimeCallback
 
@@ -82,6 +84,13 @@ class VitlabCLI(LightningCLI):
             help=f"What to train: {', '.join(TASKS)} (read before parsing; picks the model and data classes)",
         )
         parser.add_class_arguments(Runtime, "runtime", help="How the run uses the machine (threads, loader workers, figures)")
+        parser.add_argument(
+            f"--{RECORD_KEY}",
+            type=Optional[dict],
+            default=None,
+            help="What built the run (task, network call, data class and arguments; see vitlab.runs): written into the "
+            "run's config.yaml for probe.py; a value given is replaced",
+        )
         parser.link_arguments(("runtime.workers", "trainer.accelerator"), "data.num_workers", compute_fn=_workers, apply_on="parse")
         parser.add_argument(
             "--ckpt_path",
@@ -136,10 +145,14 @@ class VitlabCLI(LightningCLI):
         ckpt = Path(ckpt_path)
         if not ckpt.is_file():
             raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
+        recorded = runs.recorded_task(ckpt)
+        if recorded is not None and recorded != self.task:
+            raise ValueError(f"--ckpt_path {ckpt_path}: a {recorded} checkpoint; this config trains {self.task} "
+                             f"(resume it with task: {recorded})")
         logger = self.config.trainer.get("logger")
-        if ckpt.parent.name == "checkpoints" and logger is not None and not isinstance(logger, bool):
+        version_dir = runs.run_folder(ckpt)
+        if version_dir is not None and logger is not None and not isinstance(logger, bool):
             # runs/<name>/<version>/checkpoints/last.ckpt -> log into runs/<name>/<version> again
-            version_dir = ckpt.resolve().parent.parent
             init = logger.init_args if hasattr(logger, "init_args") else logger
             init.save_dir = cli_support.resume_save_dir(ckpt, version_dir)
             init.name = version_dir.parent.name

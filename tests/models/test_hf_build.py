@@ -201,7 +201,8 @@ def test_attention_and_spectra_probes_match_direct_computation(variant, hf_folde
     from vitlab.analysis.spectra import qk_spectra
     from vitlab.analysis.stats import attention_vs_angle
     from vitlab.probes import main
-    from vitlab.probes.common import LoadedModel, load_images
+    from vitlab.probes.loading import LoadedModel
+    from vitlab.probes.streams import load_images
 
     images = Path(tiny_dataset).parent
     main(["attention", *_probe_args(variant, hf_folders), "--images", str(images), "--num-images", "4",

@@ -18,7 +18,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.probes.volume_runs import make_volume_run
 from vitlab import models
 from vitlab.analysis.probing import dice_counts, dice_from_counts
-from vitlab.probes import ablate, build_parser, common, main
+from vitlab.probes import ablate, build_parser, main
+from vitlab.probes.common import ProbeContext
+from vitlab.probes.loading import load_model
+from vitlab.probes.streams import image_stream, load_images
 from vitlab.probes.invert import Variant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,10 +40,8 @@ def scalars(folder) -> dict[str, float]:
 
 def training_volumes(loaded, split="val"):
     """The split's volumes and label maps as segmentation training reads them (DenseImageData, whole volumes)."""
-    from vitlab.data.dense_data import DenseImageData
-
-    args = common._datamodule_args(loaded.data)
-    dm = DenseImageData(**args, mask_classes=loaded.data["mask_classes"], augment="none", num_workers=0)
+    assert loaded.data.dense  # the run's DenseImageData
+    dm = loaded.data.build(augment="none", num_workers=0)
     dataset = dm.dataset(split)
     items = [dataset[i] for i in range(len(dataset))]
     return torch.stack([x for x, _ in items]), torch.stack([t["mask"] for _, t in items]), [s.key for s in dm.samples(split)]
@@ -67,10 +68,10 @@ def test_ablate_a_3d_segmenter_gives_the_dice_of_each_class(tmp_path, family, ca
     rows = {row["variant"]: row for row in read_rows(out / "dice.csv")}
     assert list(rows) == ["intact", "no attention"] and all(row["volumes"] == "2" for row in rows.values())
     logged = scalars(out)
-    loaded = common.load_model(common_args(run.checkpoint))
+    loaded = load_model(common_args(run.checkpoint))
     volumes, masks, keys = training_volumes(loaded)
     # the probe's volumes (the first 2 of the seed's draw) and their label maps are training's
-    batch = common.load_images(common_args(run.checkpoint, "--num-images", "2"), loaded, 2, volumes=True)
+    batch = load_images(common_args(run.checkpoint, "--num-images", "2"), loaded, 2, volumes=True)
     order = [keys.index(name) for name in batch.names]
     volumes, masks = volumes[order], masks[order]
     assert batch.mask_classes == ["lesion"] and torch.equal(batch.masks, masks) and torch.equal(batch.inputs, volumes)
@@ -95,21 +96,21 @@ def test_ablating_nothing_is_bit_identical_on_a_3d_segmenter(tmp_path):
 
     run = make_volume_run(tmp_path, "swin_unetr")
     args = common_args(run.checkpoint, "--accuracy-images", "2")
-    loaded = common.load_model(args)
-    volume = common.load_images(args, loaded, 1, volumes=True).inputs[:1]
+    loaded = load_model(args)
+    volume = load_images(args, loaded, 1, volumes=True).inputs[:1]
     with torch.no_grad():
         intact = segment_logits(loaded.model, volume, run.size)
         with models.ablated(loaded.model, []):
             nothing = segment_logits(loaded.model, volume, run.size)
     assert torch.equal(intact, nothing)
     with SummaryWriter(str(tmp_path / "out")) as writer:
-        ctx = common.ProbeContext(args, "ablate", tmp_path / "out", torch.device("cpu"), writer, loaded)
+        ctx = ProbeContext(args, "ablate", tmp_path / "out", torch.device("cpu"), writer, loaded)
         variants = [Variant("intact", loaded.model), Variant("none", loaded.model, functools.partial(models.ablated, loaded.model, []))]
         rows = ablate.dice(ctx, variants)
         pair = ablate.dice(ctx, variants[:1], batch_size=2)  # streamed one volume at a time or two: the same pooled counts
     assert rows[0]["dice_lesion"] == rows[1]["dice_lesion"] == pair[0]["dice_lesion"] and not math.isnan(rows[0]["dice_lesion"])
     # a segmentation run's volumes come with their label maps, a run without mask_classes' do not
-    stream = common.image_stream(args, loaded, 2, volumes=True)
+    stream = image_stream(args, loaded, 2, volumes=True)
     assert stream.mask_classes == ["lesion"] and next(stream.image_batches(2)).masks.shape == (2, *run.size)
 
 
@@ -127,7 +128,7 @@ def test_ablate_a_3d_classifier_gives_the_accuracy(tmp_path):
     rows = {row["variant"]: row for row in read_rows(out / "accuracy.csv")}
     assert not (out / "dice.csv").exists() and list(rows) == ["intact", "no attention+layernorm"]
     args = common_args(run.checkpoint, "--num-images", "3")
-    batch = common.load_images(args, common.load_model(args), 3, volumes=True)
+    batch = load_images(args, load_model(args), 3, volumes=True)
     logged = scalars(out)
     with torch.no_grad():
         for variant, names in (("intact", []), ("no attention+layernorm", ["attention", "layernorm"])):

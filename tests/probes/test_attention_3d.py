@@ -14,7 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.analysis.test_attention_geometry import shifted_window_partners
 from tests.probes.volume_runs import make_volume_run
 from vitlab import models
-from vitlab.probes import common, main
+from vitlab.probes import main
+from vitlab.probes.loading import load_model
+from vitlab.probes.streams import load_images
 from vitlab.probes.attention_volume import query_maps, query_voxel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,8 +42,8 @@ def runs(root):
 def volumes(run, count=2):
     args = argparse.Namespace(checkpoint=run.checkpoint, config=None, model=None, images=None, num_images=count, split="val",
                               spacing=None, seed=0)
-    loaded = common.load_model(args)
-    return common.load_images(args, loaded, count, volumes=True)
+    loaded = load_model(args)
+    return load_images(args, loaded, count, volumes=True)
 
 
 def read_csv(path):

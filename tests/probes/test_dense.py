@@ -11,12 +11,12 @@ import csv
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.training.test_dense import SWIN, dense_args
 from vitlab.probe_cli import probe_main
 from vitlab.probes import main as probe
-from vitlab.probes.common import checkpoint_task, load_model
+from vitlab.probes.loading import load_model
+from vitlab.run_record import DataRecord
 
 @pytest.fixture(scope="module")
 def detection_run(tmp_path_factory) -> Path:
@@ -117,27 +117,14 @@ def test_loaded_dense_checkpoint_knows_its_task(detection_run):
     assert loaded.task == "detection" and not loaded.head_trained and loaded.class_names is None
 
 
-def test_checkpoint_task_from_the_state_dict():
-    from vitlab import models
-    from vitlab.models.dense import BACKBONE_PREFIX
-    from vitlab.training import DetectionModule, SegmentationModule
-
-    assert BACKBONE_PREFIX == "backbone.body."  # spelled out in checkpoint_task (no torchvision detection import)
-    classifier = models.build_model(SWIN["model_name"], num_classes=2, in_chans=1, img_size=32, **SWIN["model_kwargs"])
-    prefixed = lambda module: {f"model.{k}": v for k, v in module.state_dict().items()}  # noqa: E731
-    assert checkpoint_task(prefixed(classifier)) == "classification"
-    assert checkpoint_task(DetectionModule(num_classes=1, image_size=32, **SWIN).state_dict()) == "detection"
-    assert checkpoint_task(SegmentationModule(num_classes=1, image_size=32, **SWIN).state_dict()) == "segmentation"
-    assert checkpoint_task({"model.head.weight": torch.zeros(2, 2)}) == "classification"
-
-
 def test_probe_images_of_a_coco_detection_run_are_the_jsons_images(tmp_path, monkeypatch):
     """A detection run trained on a COCO JSON: the probes draw its images, not the embedded set's."""
     import json
 
     from tests.data.test_dense import planted
     from vitlab import models
-    from vitlab.probes.common import LoadedModel, image_stream
+    from vitlab.probes.loading import LoadedModel
+    from vitlab.probes.streams import image_stream
 
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
     images, annotations = [], []
@@ -151,7 +138,7 @@ def test_probe_images_of_a_coco_detection_run_are_the_jsons_images(tmp_path, mon
     coco.write_text(json.dumps({"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "tumour"}]}))
     model = models.build_model(SWIN["model_name"], num_classes=1, in_chans=1, img_size=32, **SWIN["model_kwargs"])
     loaded = LoadedModel(model.eval(), "swin", "test", task="detection",
-                         data={"coco_json": str(coco), "val_fraction": 0.34, "image_size": 32})
+                         data=DataRecord("DenseImageData", {"coco_json": str(coco), "val_fraction": 0.34, "image_size": 32}))
     args = argparse.Namespace(images=None, num_images=None, split="train", seed=0)
     stream = image_stream(args, loaded, default_count=10)
     names = sorted(stream.read(i)[2] for i in range(stream.count))

@@ -45,7 +45,8 @@ def test_no_probe_subcommand_its_model_or_its_images_import_lightning(tiny_run, 
     code = (
         "import importlib, argparse, contextlib, io, sys\n"
         "from vitlab.probes import build_parser, SUBCOMMANDS\n"
-        "from vitlab.probes.common import image_stream, load_model\n"
+        "from vitlab.probes.loading import load_model\n"
+        "from vitlab.probes.streams import image_stream\n"
         f"training_only = {sorted(TRAINING_ONLY)!r}\n"
         "def check(step):\n"
         "    found = sorted({m.split('.')[0] for m in sys.modules} & set(training_only))\n"

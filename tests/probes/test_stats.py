@@ -26,7 +26,9 @@ from vitlab.analysis.spectra import qk_spectra
 from vitlab.analysis.stats import attention_vs_angle
 from vitlab.models.testing import TINY_MODELS, tiny_model
 from vitlab.probes import build_parser, main
-from vitlab.probes.common import LoadedModel, load_images
+from vitlab.probes.loading import LoadedModel
+from vitlab.probes.streams import load_images
+from vitlab.runs import config_data
 
 SUBCOMMANDS = ("mi", "stats", "attention", "spectra", "features")
 
@@ -321,7 +323,7 @@ def test_features_same_weights_give_cka_one(tmp_path, weights, labelled_config):
         assert a["knn_accuracy"] == b["knn_accuracy"] and a["linear_accuracy"] == b["linear_accuracy"]
     model = load("timm-vit", weights)
     ns = argparse.Namespace(images=None, num_images=None, split="train", seed=0)
-    loaded = LoadedModel(model, "m", "test", data=yaml.safe_load(labelled_config.read_text())["data"])
+    loaded = LoadedModel(model, "m", "test", data=config_data(yaml.safe_load(labelled_config.read_text()), str(labelled_config)))
     train, val = load_images(ns, loaded, 1000), load_images(ns, loaded, 1000, split="val")
     assert int(rows[0]["n_train"]) == len(train.labels) and int(rows[0]["n_eval"]) == len(val.labels)
     with torch.no_grad():

@@ -19,7 +19,9 @@ from vitlab.models.testing import tiny_model
 from vitlab.probes import main
 from vitlab.probes.activations import record_batches
 from vitlab.probes import mi as mi_probe
-from vitlab.probes.common import LoadedModel, image_stream, load_images
+from vitlab.probes.loading import LoadedModel
+from vitlab.probes.streams import image_stream, load_images
+from vitlab.run_record import DataRecord
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +30,7 @@ def test_image_stream_equals_loaded_images(tiny_dataset, image_dir):  # noqa: F8
     model = models.build_model("vit_tiny_patch16_224", 2, in_chans=3, img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2).eval()
     folder = argparse.Namespace(images=[str(image_dir)], num_images=11, split="val", seed=0)
     embedded = argparse.Namespace(images=None, num_images=9, split="train", seed=3)
-    data = {"root": str(tiny_dataset), "in_chans": 3}
+    data = DataRecord("ImageData", {"root": str(tiny_dataset), "in_chans": 3})
     for args in (folder, embedded):
         loaded = LoadedModel(model, "m", "test", data=data)
         whole = load_images(args, loaded, 1000)

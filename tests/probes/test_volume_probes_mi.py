@@ -23,7 +23,9 @@ from tests.probes.volume_runs import SPACING, make_volume_run
 from vitlab import models
 from vitlab.analysis.mi import gaussian_copula_mi
 from vitlab.analysis.probing import knn_probe
-from vitlab.probes import common, main
+from vitlab.probes import main
+from vitlab.probes.loading import load_model
+from vitlab.probes.streams import load_images
 from vitlab.probes import mi as mi_probe
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:probe.py mi. only")]
@@ -72,8 +74,8 @@ def mm_offsets(run, grid) -> np.ndarray:
 
 def recorded(run, views, sites, split="val", count=10):
     """Sub-layer outputs of ``views`` over the run's volumes, recorded here in fp32 (N, T, C), with the batch."""
-    loaded = common.load_model(namespace(run, split, count))
-    batch = common.load_images(namespace(run, split, count), loaded, count, volumes=True)
+    loaded = load_model(namespace(run, split, count))
+    batch = load_images(namespace(run, split, count), loaded, count, volumes=True)
     assert batch.spacing == tuple(SPACING)
     with torch.no_grad(), models.capture(loaded.model, sites, [v.name for v in views]) as cap:
         loaded.model(batch.inputs)
@@ -177,7 +179,7 @@ def test_features_on_volumes_labels_from_the_manifest(tmp_path, runs, family):
     """k-NN per depth on the run's labelled volumes; a segmentation checkpoint (SwinUNETR) takes the volumes' labels from
     the data's manifest like a classifier does."""
     run = runs(family)
-    loaded = common.load_model(namespace(run))
+    loaded = load_model(namespace(run))
     assert loaded.task == ("segmentation" if family == "swin_unetr" else "classification")
     out = tmp_path / "features"
     blocks = BLOCKS[family][-2:]

@@ -1,7 +1,8 @@
 """Tiny 3-D runs for the probe tests, without training: synthetic CT volumes, and for each 3-D family a run folder
-``runs/<family>/version_0/`` holding ``config.yaml`` (the data section) and ``checkpoints/last.ckpt`` (the Lightning
-layout vitlab writes: ``hyper_parameters`` + ``state_dict`` with the ``model.`` prefix) of a model with every
-parameter randomised.
+``runs/<family>/version_0/`` holding ``config.yaml`` (the task, model and data sections) and ``checkpoints/last.ckpt``
+(the Lightning layout vitlab writes: ``hyper_parameters`` + ``state_dict`` with the ``model.`` prefix) of a model with
+every parameter randomised; both with the run record of :mod:`vitlab.runs`, or (``recorded=False``) without it, as
+checkpoints were written before runs recorded themselves.
 
 Use: ``run = make_volume_run(tmp_path, "swin_unetr")`` -> :class:`VolumeRun` with ``checkpoint``, ``config``,
 ``volumes`` (the NIfTI folder) and ``model`` (the same model, in eval mode, as the checkpoint holds it).
@@ -21,6 +22,7 @@ from torch import nn
 from vitlab import models
 from vitlab.data.synthetic import generate_volumes
 from vitlab.models.testing import randomize_parameters
+from vitlab.run_record import RECORD_KEY, DataRecord, ModelCall, RunRecord
 
 VOLUME = [32, 32, 16]  # voxels along i, j, k of the model input
 SPACING = [1.4, 1.4, 2.5]  # mm: the synthetic 0.7 x 0.7 x 2.5 mm volumes, resampled
@@ -54,7 +56,7 @@ def volume_data(root: Path, patients: int = 6) -> Path:
     return folder / "manifest.csv"
 
 
-def make_volume_run(root: Path, family: str, seed: int = 0, patients: int = 6) -> VolumeRun:
+def make_volume_run(root: Path, family: str, seed: int = 0, patients: int = 6, recorded: bool = True) -> VolumeRun:
     """A run folder under ``root`` for one of :data:`FAMILIES` (see the module docstring)."""
     name, kwargs, task = FAMILIES[family]
     manifest = volume_data(root, patients)
@@ -70,13 +72,18 @@ def make_volume_run(root: Path, family: str, seed: int = 0, patients: int = 6) -
     config = dict(task=task, model=dict(model_name=name, model_kwargs=kwargs), data=data)
     hp = dict(model_name=name, model_kwargs=kwargs, in_chans=1, ablate=None, class_names=["lesion"] if task == "segmentation" else ["lesion", "no_lesion"],
               num_classes=1 if task == "segmentation" else 2)
+    call = ModelCall("build_model", dict(name=name, num_classes=classes, in_chans=1, pretrained=False, weights=None, **kwargs))
     if task == "segmentation":
         data["mask_classes"] = ["lesion"]
         hp.update(sliding_window=size, image_size=224)
-    (version / "config.yaml").write_text(yaml.safe_dump(config))
+        call = ModelCall("build_segmenter", dict(name=name, num_classes=1, in_chans=1, image_size=224, pretrained=False,
+                                                 weights=None, decoder_channels=64, model_kwargs=kwargs))
+    record = RunRecord(task, call, None, hp["class_names"], DataRecord("DenseImageData" if task == "segmentation" else "ImageData", data))
+    extra = {RECORD_KEY: record.as_dict()} if recorded else {}
+    (version / "config.yaml").write_text(yaml.safe_dump({**config, **extra}))
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     checkpoint = version / "checkpoints" / "last.ckpt"
-    torch.save({"hyper_parameters": hp, "state_dict": state}, checkpoint)
+    torch.save({"hyper_parameters": hp, "state_dict": state, **extra}, checkpoint)
     return VolumeRun(checkpoint, version / "config.yaml", manifest.parent / "nifti", model, name, size)
 
 

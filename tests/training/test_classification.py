@@ -157,10 +157,10 @@ def test_test_split_is_evaluated_after_fit(tiny_dataset, tmp_path):
     # a probe given only the run's checkpoint finds the run's config.yaml and draws images from its data
     import argparse
 
-    from vitlab.probes.common import load_model
+    from vitlab.probes.loading import load_model
 
     loaded = load_model(argparse.Namespace(checkpoint=tmp_path / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"))
-    assert Path(loaded.data["root"]) == Path(tiny_dataset) and loaded.class_names == cli.datamodule.class_names
+    assert Path(loaded.data.arguments["root"]) == Path(tiny_dataset) and loaded.class_names == cli.datamodule.class_names
 
 
 def test_optimizer_groups_layer_decay_freeze_and_schedule():

@@ -71,7 +71,7 @@ def test_dense_fit_logs_metrics_and_drift_and_resumes(task, metrics, tmp_path, m
     # probes given the checkpoint see the same backbone (a classifier built around it)
     import argparse
 
-    from vitlab.probes.common import load_model
+    from vitlab.probes.loading import load_model
 
     loaded = load_model(argparse.Namespace(checkpoint=run / "checkpoints" / "last.ckpt"))
     probed = qkv_state(loaded.model)

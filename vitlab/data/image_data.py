@@ -313,13 +313,19 @@ class ImageData:
     def dataset(self, split: str, *, augmented: bool = False, labelled_only: bool = False) -> MedicalImageDataset:
         """Dataset of one split; ``augmented`` applies the training augmentations, else resize only;
         ``labelled_only`` leaves out the unlabelled images (the k-NN memory bank)."""
-        samples = self.samples(split)
-        if labelled_only:
-            samples = [s for s in samples if s.label != UNLABELLED]
         if self.volume_options is not None and self.volume_options.sample == "volume":
-            return self.volume_dataset(samples, augmented)
+            return self.volume_dataset(self._chosen(split, labelled_only), augmented)
+        return self.image_dataset(split, augmented=augmented, labelled_only=labelled_only)
+
+    def _chosen(self, split: str, labelled_only: bool) -> list[Sample]:
+        samples = self.samples(split)
+        return [s for s in samples if s.label != UNLABELLED] if labelled_only else samples
+
+    def image_dataset(self, split: str, *, augmented: bool = False, labelled_only: bool = False) -> MedicalImageDataset:
+        """``(image, label)`` items of one split's 2-D samples (image files, slices, slabs), whatever the task: a dense
+        data module's images without their targets (the probes read them so); arguments as :meth:`dataset`."""
         return MedicalImageDataset(
-            samples, self.class_names, self.train_transform if augmented else self.eval_transform,
+            self._chosen(split, labelled_only), self.class_names, self.train_transform if augmented else self.eval_transform,
             in_chans=self.in_chans, read_options=self.read_options,
             on_bad_file=self.on_bad_file, cache=self.array_cache, reader=self.reader, prescale_to=self.image_size,
             memory=self.memory, deterministic=not augmented, skipped=self.skipped, volumes=self.volumes,

@@ -27,6 +27,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from vitlab.models.build import build_model
 from vitlab.models.errors import UnsupportedModelError
+from vitlab.models.networks import backbone_call
 from vitlab.models.weights import load_weights
 
 __all__ = ["BACKBONE_PREFIX", "DETECTION_HEADS", "FeatureBackbone", "build_detector", "build_segmenter"]
@@ -208,10 +209,10 @@ def build_segmenter(name: str, num_classes: int, in_chans: int = 1, image_size: 
     """Segmenter over a timm Swin / ViT (arguments as :func:`build_detector`; ``decoder_channels`` = FPN width).
     A ``monai:`` name (``monai:swin_unetr``, ``monai:unetr``) is already a segmenter with its own decoder: it is
     built with ``num_classes + 1`` outputs and ``model_kwargs`` (``image_size`` and ``decoder_channels`` unused)."""
-    if name.startswith("monai:"):
-        from vitlab.models.build import build_model
-
-        return build_model(name, num_classes + 1, in_chans, pretrained=pretrained, weights=weights, **(model_kwargs or {}))
+    call, whole = backbone_call("build_segmenter", dict(name=name, num_classes=num_classes, in_chans=in_chans, pretrained=pretrained,
+                                                         weights=weights, model_kwargs=model_kwargs))
+    if whole:
+        return build_model(**call)
     kwargs = {"img_size": image_size, **(model_kwargs or {})}
     return Segmenter(_backbone(name, in_chans, pretrained, weights, kwargs, decoder_channels), num_classes)
 

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     """Parse, load the model, run the subcommand; Ctrl-C keeps what is finished."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from vitlab.probes.common import ProbeContext, load_model, newest_checkpoint, prepare_out
+    from vitlab.probes.common import ProbeContext, prepare_out
+    from vitlab.probes.loading import load_model
+    from vitlab.runs import newest_checkpoint
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("--ablate"):

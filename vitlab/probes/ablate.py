@@ -10,7 +10,8 @@ import torch
 
 from vitlab import models
 from vitlab.analysis.probing import dice_counts, dice_from_counts
-from vitlab.probes.common import ImageStream, ProbeContext, add_common_arguments, image_stream, progress
+from vitlab.probes.common import ProbeContext, add_common_arguments, progress
+from vitlab.probes.streams import ImageStream, image_stream
 from vitlab.probes.invert import Variant, add_inversion_arguments, resolve_layers, run_survey
 from vitlab.outputs.files import write_csv
 

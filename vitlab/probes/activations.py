@@ -82,7 +82,7 @@ def record_batches(
     Args:
         model: The model (eval mode, on ``device``).
         inputs: (N, C, H, W) normalised images (CPU), or an iterable of such batches (streamed: e.g.
-            :meth:`vitlab.probes.common.ImageStream.batches`, so that the N images are never all in memory).
+            :meth:`vitlab.probes.streams.ImageStream.batches`, so that the N images are never all in memory).
         sites: :data:`vitlab.models.CAPTURE_SITES` names to capture.
         blocks: The blocks to record.
         batch_size: Images per forward pass (a tensor ``inputs`` is cut into such batches).

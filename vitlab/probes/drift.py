@@ -12,7 +12,9 @@ import torch
 from vitlab.qkv.state import MATRICES, block_stage, head_counts, load_snapshot, qkv_state
 from vitlab.qkv.drift import drift_layout, report_drift
 from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout
-from vitlab.probes.common import add_model_arguments, load_model, newest_checkpoint, run_label
+from vitlab.probes.common import add_model_arguments
+from vitlab.probes.loading import load_model
+from vitlab.runs import newest_checkpoint, run_folder, run_label
 from vitlab.outputs.files import write_csv
 
 HELP = """Compare the Q/K/V weights of two checkpoints (Drotos poster): per-row cosine distance, Euclidean, MSE, dot.
@@ -46,8 +48,9 @@ def fill_defaults(args: argparse.Namespace) -> None:
         args.finetuned = newest_checkpoint()
         print(f"probe.py drift: no --finetuned given, using the newest run's checkpoint {args.finetuned}", file=sys.stderr)
     if args.reference is None:
-        snapshot = Path(args.finetuned).resolve().parent.parent / "qkv" / "epoch_000.safetensors"
-        if Path(args.finetuned).resolve().parent.name != "checkpoints" or not snapshot.is_file():
+        folder = run_folder(args.finetuned)
+        snapshot = folder / "qkv" / "epoch_000.safetensors" if folder is not None else None
+        if snapshot is None or not snapshot.is_file():
             raise ValueError(f"--reference missing: {args.finetuned} has no run folder with qkv/epoch_000.safetensors; "
                              "give the weights before fine-tuning with --reference")
         args.reference = snapshot
@@ -55,7 +58,7 @@ def fill_defaults(args: argparse.Namespace) -> None:
 
 
 def out_name(args: argparse.Namespace, loaded) -> str:
-    return run_label(Path(args.finetuned)) or Path(args.finetuned).stem
+    return run_label(run_folder(args.finetuned)) or Path(args.finetuned).stem
 
 
 def read_qkv(path: Path, args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -12,7 +12,8 @@ from vitlab import models
 from vitlab.analysis.probing import knn_probe, linear_probe
 from vitlab.analysis.stats import linear_cka
 from vitlab.probes.activations import add_recording_arguments, record_batches, selected_blocks
-from vitlab.probes.common import LoadedModel, add_common_arguments, add_model_arguments
+from vitlab.probes.common import add_common_arguments, add_model_arguments
+from vitlab.probes.loading import LoadedModel
 from vitlab.outputs.files import write_csv
 
 HELP = """Layer-wise frozen-feature evaluation (the Veta lecture's k-NN / linear table, per depth) and CKA between two models.

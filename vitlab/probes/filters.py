@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from vitlab import models
-from vitlab.probes.common import ProbeContext, add_common_arguments, add_model_arguments, planar_input
+from vitlab.probes.common import ProbeContext, add_common_arguments, add_model_arguments
+from vitlab.probes.streams import planar_input
 from vitlab.probes.invert import enlarge
 from vitlab.outputs.images import colorize, hstack_panels, image_grid
 from vitlab.outputs.files import write_csv, write_json

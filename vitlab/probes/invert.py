@@ -23,7 +23,8 @@ from torch import nn
 
 from vitlab import models
 from vitlab.analysis.inversion import SEED_SIGMAS, InversionResult, invert, sigma_label, with_normalization
-from vitlab.probes.common import ImageBatch, ProbeContext, add_common_arguments, progress
+from vitlab.probes.common import ProbeContext, add_common_arguments, progress
+from vitlab.probes.streams import ImageBatch
 from vitlab.outputs.images import image_grid
 from vitlab.outputs.files import write_csv, write_json
 

@@ -17,7 +17,8 @@ from vitlab.analysis.featurevis import (
     recipe_with,
 )
 from vitlab.analysis.inversion import with_normalization
-from vitlab.probes.common import ProbeContext, add_common_arguments, planar_input, progress
+from vitlab.probes.common import ProbeContext, add_common_arguments, progress
+from vitlab.probes.streams import planar_input
 from vitlab.probes.invert import enlarge
 from vitlab.outputs.images import image_grid
 from vitlab.outputs.files import write_csv

@@ -15,6 +15,7 @@ import torch
 from torch.nn.utils.weight_norm import WeightNorm
 
 from vitlab import models
+from vitlab.run_record import RECORD_KEY, DataRecord, ModelCall, RunRecord
 from vitlab.training.arguments import BackboneArgs, OptimizerArgs
 
 
@@ -25,8 +26,9 @@ class TaskModule(pl.LightningModule):
     here, so ``model.lr``, ``model.weights`` ... stay flat config keys with these docs in ``--help``). This
     ``__init__`` checks them once (:class:`~vitlab.training.arguments.OptimizerArgs`), keeps them as
     ``self.backbone_args`` / ``self.optimizer_args`` and saves every task argument, the subclass's included, as
-    flat hyperparameters. The task then builds ``self.model`` from ``self.backbone_args`` and calls
-    :meth:`_intervene`.
+    flat hyperparameters. The task then builds ``self.model`` with :meth:`build_network` from
+    ``self.backbone_args`` and calls :meth:`_intervene`. Every checkpoint records what built the run
+    (:meth:`run_record`, read back by :func:`vitlab.runs.open_run`).
 
     Args:
         model_name: timm or torchvision model name (prefix ``timm:`` / ``torchvision:`` to disambiguate).
@@ -73,6 +75,29 @@ class TaskModule(pl.LightningModule):
                                           freeze)
         self.save_hyperparameters(logger=False)  # (Lightning collects the subclass's arguments from its frame too)
         self.best_val: dict[str, float] = {}
+
+    task: str  # each task's name, as ``task:`` of a config and in the run record
+
+    def build_network(self, builder: str, **arguments: Any) -> torch.nn.Module:
+        """``vitlab.models.<builder>(**arguments)`` (``build_model``, ``build_detector``, ``build_segmenter``), the call
+        kept for the run record: a run reopens its network from what built it, not from its state-dict keys."""
+        self.network_call = ModelCall(builder, arguments)
+        return self.network_call.build()
+
+    def run_record(self, datamodule: Any = None) -> dict[str, Any]:
+        """What built this run, in plain types (:class:`vitlab.run_record.RunRecord`): the task, the network's call, the
+        ablation, the class names and ``datamodule``'s class and arguments (default: the trainer's data module)."""
+        if datamodule is None and self._trainer is not None:
+            datamodule = getattr(self._trainer, "datamodule", None)
+        call = getattr(self, "network_call", None)
+        if call is None:
+            raise RuntimeError(f"{type(self).__name__} built its network without build_network: its run record has no network call")
+        names = getattr(self, "class_names", None) or self.hparams.get("class_names")
+        return RunRecord(self.task, call, self.backbone_args.ablate, None if names is None else list(names),
+                         None if datamodule is None else DataRecord.of(datamodule)).as_dict()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RECORD_KEY] = self.run_record()
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn``) and deep-copyable at any time: a ``torch.nn.utils.weight_norm`` layer (lightly's

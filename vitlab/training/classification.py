@@ -14,7 +14,6 @@ from torchmetrics.classification import (
     MulticlassF1Score,
 )
 
-from vitlab import models
 from vitlab.training.base import TaskModule, warmup_cosine
 from vitlab.training.outputs import EpochOutputs
 
@@ -40,6 +39,8 @@ class ClassificationModule(TaskModule):
             (``model_name``, ``weights``, ``lr``, ``layer_decay`` ...).
     """
 
+    task = "classification"
+
     def __init__(
         self,
         num_classes: int = 2,
@@ -59,9 +60,9 @@ class ClassificationModule(TaskModule):
         self.register_buffer("class_weights", None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32),
                              persistent=False)
         backbone = self.backbone_args
-        self.model = models.build_model(backbone.model_name, num_classes=num_classes, in_chans=backbone.in_chans,
-                                        pretrained=backbone.pretrained, weights=backbone.weights,
-                                        **backbone.model_kwargs)
+        self.model = self.build_network("build_model", name=backbone.model_name, num_classes=num_classes,
+                                        in_chans=backbone.in_chans, pretrained=backbone.pretrained,
+                                        weights=backbone.weights, **backbone.model_kwargs)
         self._intervene()
         self.class_names = list(class_names) if class_names else [str(i) for i in range(num_classes)]
         metrics = MetricCollection(

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from torchmetrics.detection import MeanAveragePrecision
 
-from vitlab import models
 from vitlab.training.base import TaskModule
 
 # MeanAveragePrecision keys -> logged names (``val/<name>``)
@@ -33,6 +32,8 @@ class DetectionModule(TaskModule):
             ViT ``model_name``; ``weights`` a classifier's or detector's checkpoint, whose backbone is loaded).
     """
 
+    task = "detection"
+
     def __init__(
         self,
         num_classes: int = 1,
@@ -46,10 +47,10 @@ class DetectionModule(TaskModule):
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
         backbone = self.backbone_args
-        self.model = models.build_detector(backbone.model_name, num_classes, in_chans=backbone.in_chans,
-                                           image_size=image_size, pretrained=backbone.pretrained,
-                                           weights=backbone.weights, heads=heads, model_kwargs=backbone.model_kwargs,
-                                           **(head_kwargs or {}))
+        self.model = self.build_network("build_detector", name=backbone.model_name, num_classes=num_classes,
+                                        in_chans=backbone.in_chans, image_size=image_size,
+                                        pretrained=backbone.pretrained, weights=backbone.weights, heads=heads,
+                                        model_kwargs=backbone.model_kwargs, **(head_kwargs or {}))
         self._intervene()
         self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
         self.val_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")

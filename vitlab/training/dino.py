@@ -76,6 +76,8 @@ class DINOModule(TaskModule):
             (``ablate`` / ``freeze`` / ``layer_decay`` act on the student backbone; the teacher copies it).
     """
 
+    task = "dino"
+
     def __init__(
         self,
         num_classes: int = 2,
@@ -112,7 +114,8 @@ class DINOModule(TaskModule):
         if warmup_teacher_temp_epochs < 1:
             raise ValueError(f"model.warmup_teacher_temp_epochs must be >= 1, got {warmup_teacher_temp_epochs}")
         backbone = self.backbone_args
-        self.model = models.build_model(backbone.model_name, num_classes=max(num_classes, 2),  # (its classifier is dropped)
+        self.model = self.build_network("build_model", name=backbone.model_name,
+                                        num_classes=max(num_classes, 2),  # (its classifier is dropped)
                                         in_chans=backbone.in_chans, pretrained=backbone.pretrained,
                                         weights=backbone.weights, **backbone.model_kwargs)
         models.drop_classifier(self.model)

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torchmetrics.classification import MulticlassJaccardIndex
 from torchmetrics.segmentation import DiceScore
 
-from vitlab import models
 from vitlab.training.base import TaskModule
 
 
@@ -55,6 +54,8 @@ class SegmentationModule(TaskModule):
             :class:`~vitlab.training.DetectionModule`.
     """
 
+    task = "segmentation"
+
     def __init__(
         self,
         num_classes: int = 1,
@@ -79,10 +80,10 @@ class SegmentationModule(TaskModule):
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (foreground classes), got {num_classes}")
         backbone = self.backbone_args
-        self.model = models.build_segmenter(backbone.model_name, num_classes, in_chans=backbone.in_chans,
-                                            image_size=image_size, pretrained=backbone.pretrained,
-                                            weights=backbone.weights, decoder_channels=decoder_channels,
-                                            model_kwargs=backbone.model_kwargs)
+        self.model = self.build_network("build_segmenter", name=backbone.model_name, num_classes=num_classes,
+                                        in_chans=backbone.in_chans, image_size=image_size,
+                                        pretrained=backbone.pretrained, weights=backbone.weights,
+                                        decoder_channels=decoder_channels, model_kwargs=backbone.model_kwargs)
         self._intervene()
         # on the module's device with it (not rebuilt from the list each step: a host-to-device copy waits for the GPU)
         self.register_buffer("loss_weights", None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32),
