@@ -344,6 +344,7 @@ def settle_outputs(trainer: pl.Trainer, epoch_end: bool) -> None:
     2. Every logger flushed (TensorBoard's writer otherwise writes on its own schedule), images the figure worker
        has written included; those it has not are listed in the checkpoint (:class:`RuntimeCallback`).
     """
+    # Lightning has no public API for either step; tests/callbacks/test_lightning_internals.py pins both
     if epoch_end and trainer.training:
         loop = trainer.fit_loop.epoch_loop
         loop._batches_that_stepped -= 1  # as Lightning's fit loop does for the epoch-end metrics

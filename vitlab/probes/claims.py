@@ -84,10 +84,6 @@ def snapshots(run: Path) -> list[Path]:
     return found
 
 
-def _epoch(path: Path) -> int:
-    return int(path.stem.split("_")[1])
-
-
 def _read(path: Path, last: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     """(tensors, metadata, label) of a snapshot file, or of a run's first / last snapshot."""
     if path.is_dir():
