@@ -50,7 +50,7 @@ def test_claims_with_ablation_run_and_two_runs(tiny_run, tmp_path):
     ablation = tmp_path / "ablation_attention" / "version_0"
     shutil.copytree(tiny_run, ablation)
     cfg = yaml.safe_load((ablation / "config.yaml").read_text())
-    cfg["model"]["ablate"] = {"remove": ["attention"], "blocks": None}
+    cfg["model"]["ablate"] = cfg["vitlab"]["ablate"] = {"remove": ["attention"], "blocks": None}  # (and its record)
     (ablation / "config.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
     probe_main(["claims", "--reference", str(tiny_run / "qkv" / "epoch_000.safetensors"), "--finetuned", str(tiny_run),

@@ -2,7 +2,8 @@
 scalars, its Q/K/V snapshots and its checkpoints.
 
 The one place the study launcher and the study report read a run folder (``probe.py claims`` reads ablation
-runs through it too). Lightning-free: YAML, TensorBoard's event reader and ``torch.load`` of plain tensors.
+runs through it too); what built the run comes from :mod:`vitlab.runs`, as for every probe. Lightning-free: YAML,
+TensorBoard's event reader and ``torch.load`` of plain tensors.
 """
 
 from __future__ import annotations
@@ -37,18 +38,26 @@ class RunFolder:
             return {}
         return yaml.safe_load(path.read_text()) or {}
 
-    def model_config(self) -> dict[str, Any]:
-        """The ``model:`` section's arguments (``init_args`` unwrapped)."""
-        model = self.config.get("model") or {}
-        return model.get("init_args", model)
+    @cached_property
+    def record(self):
+        """What built the run (:class:`vitlab.run_record.RunRecord`), read from its ``config.yaml`` through
+        :func:`vitlab.runs.config_record` (an older config's by the same inference the probes use); None before the
+        run has a config."""
+        if not self.config:
+            return None
+        from vitlab.runs import config_record
+
+        return config_record(self.config, str(self.path / "config.yaml"))[0]
 
     def removed(self) -> list[str]:
         """The components ``model.ablate.remove`` takes out (empty for an intact model)."""
-        return list(((self.model_config().get("ablate") or {}).get("remove")) or [])
+        record = self.record
+        return list(((record.ablate if record is not None else None) or {}).get("remove") or [])
 
     def num_classes(self) -> int | None:
-        """Classes of the head: ``model.num_classes`` in the config, else the last checkpoint's hyperparameters."""
-        classes = self.model_config().get("num_classes")
+        """Classes of the head: the recorded network call's ``num_classes``, else the last checkpoint's hyperparameters."""
+        record = self.record
+        classes = record.model.arguments.get("num_classes") if record is not None else None
         if classes is None and self.last_checkpoint is not None:
             import torch
 
