@@ -120,6 +120,12 @@ def finish_epoch_work(trainer: Any, raise_errors: bool = True) -> None:
     if worker is None:
         return
     trainer._vitlab_qkv_worker = None
+    flush_and_close(worker, raise_errors)
+
+
+def flush_and_close(worker: Any, raise_errors: bool = True) -> None:
+    """Wait for what a background worker (Q/K/V or figures) was handed, then close it; a job's error is raised
+    unless ``raise_errors`` is False (an exception is already on its way)."""
     try:
         worker.flush()
     except Exception:

@@ -246,15 +246,10 @@ class RuntimeCallback(pl.Callback):
 
     def _close(self, raise_errors: bool) -> None:
         worker, self.figure_worker = self.figure_worker, None
-        if worker is None:
-            return
-        try:
-            worker.flush()
-        except Exception:
-            if raise_errors:
-                raise
-        finally:
-            worker.close()
+        if worker is not None:
+            from vitlab.callbacks.base import flush_and_close
+
+            flush_and_close(worker, raise_errors)
 
 
 def figure_state(tag: str, step: int, ordinal: int, figure: Any) -> dict[str, Any]:
