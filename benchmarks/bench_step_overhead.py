@@ -1,6 +1,7 @@
 """vitlab's host-side cost per training step: its classification fit against a bare loop of the same tiny model.
 
-    python benchmarks/bench_step_overhead.py [--steps 200] [--repeats 3] [--threads 1]
+    python benchmarks/bench_step_overhead.py [--steps 200] [--repeats 3] [--threads 1] [--workers 0] [--depth 1]
+                                             [--layer-decay F] [--profile]
 
 The model is tiny (a one-block ViT, embed dim 16, 16 px, batch 2), so compute is close to zero and what remains
 per step is what runs around it on the host. On a GPU that host time is what keeps the device waiting when it
@@ -13,6 +14,9 @@ own process, one after the other, ``--repeats`` times (the fastest of each repor
    images cached in memory), with the quickstart's callbacks (Q/K/V snapshot, drift, spectra, learning-rate
    monitor), two checkpointers, the run-time callback, TensorBoard logging every 5 steps and the progress bar;
    ``--workers``: loader worker processes (0: batches made in the training process).
+
+The fit's process then runs the bare loop again on the fit's own network, with the same parameter groups, so the
+two are also compared in one process under the same load (the figure to trust on a shared machine).
 
 It prints the median time per step of each (the fit's step: from one ``on_train_batch_start`` to the next, in the
 second epoch, so epoch ends and the first steps are left out), the difference (vitlab's cost per step), and that
@@ -47,7 +51,7 @@ from vitlab.models import build_model, parameter_groups
 model_cfg = json.loads(sys.argv[3])
 torch.manual_seed(0)
 model = build_model(model_cfg["model_name"], num_classes=2, in_chans=1, **model_cfg["model_kwargs"])
-groups = parameter_groups(model, weight_decay=0.05)
+groups = parameter_groups(model, weight_decay=0.05, layer_decay=model_cfg.get("layer_decay"))
 opt = torch.optim.AdamW(groups, lr=1e-3)
 x = torch.randn(int(sys.argv[4]), 1, 16, 16)
 y = torch.randint(0, 2, (int(sys.argv[4]),))
@@ -96,27 +100,69 @@ def timed_next(self):
         fetch_times.append(time.perf_counter() - start)
 fetchers._PrefetchDataFetcher.__next__ = timed_next
 
+import os
+if os.environ.get("BENCH_CPROFILE"):  # the second epoch's steps under cProfile: the host's Python by function
+    import cProfile, pstats
+    profiler = cProfile.Profile()
+    _start, _end = StepTimer.on_train_batch_start, StepTimer.on_train_batch_end
+    def on_start(self, trainer, pl_module, batch, batch_idx):
+        _start(self, trainer, pl_module, batch, batch_idx)
+        if trainer.current_epoch == 1 and batch_idx == 5:
+            profiler.enable()
+    StepTimer.on_train_batch_start = on_start
+    def on_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            profiler.disable()
+            stats = pstats.Stats(profiler, stream=sys.stderr)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
+    StepTimer.on_train_epoch_end = on_epoch_end
+
 from vitlab.cli import fit
 cli = fit(sys.argv[1:])
 timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
 cycles = [b - a for a, b in zip(timer.starts, timer.starts[1:])][5:]
+
+# the bare loop again in this process, right after the fit (same interpreter, threads, allocator and load)
+import torch
+from vitlab.models import parameter_groups
+model_cfg = json.loads(os.environ["BENCH_MODEL"])
+net = cli.model.model.train()
+opt = torch.optim.AdamW(parameter_groups(net, weight_decay=0.05, layer_decay=model_cfg.get("layer_decay")), lr=1e-3)
+x, y = torch.randn(int(os.environ["BENCH_BATCH"]), 1, 16, 16), torch.randint(0, 2, (int(os.environ["BENCH_BATCH"]),))
+def bare_step():
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range(10):
+    bare_step()
+bare_times = []
+for _ in range(len(cycles)):
+    start = time.perf_counter()
+    bare_step()
+    bare_times.append(time.perf_counter() - start)
 steps_per_epoch = len(timer.starts)
 fetch = fetch_times[steps_per_epoch + 5 : 2 * steps_per_epoch]  # the second epoch's fetches
 print("RESULT " + json.dumps({"step_s": statistics.median(cycles), "inside_s": statistics.median(timer.inside[5:]),
-                              "fetch_s": statistics.median(fetch), "steps": len(cycles)}))
+                              "fetch_s": statistics.median(fetch), "steps": len(cycles),
+                              "bare_same_process_s": statistics.median(bare_times)}))
 """
 
 
-def run(code: str, args: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+def run(code: str, args: list[str], model: dict | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "BENCH_MODEL": json.dumps(model or MODEL),
+           "BENCH_BATCH": str(BATCH)}
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    if env.get("BENCH_CPROFILE") and "pstats" in code:
+        print(proc.stderr[-20000:])
     if proc.returncode != 0:
         sys.exit(f"benchmark child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
-def fit_config(save_dir: Path, steps: int, threads: int, workers: int = 0) -> Path:
+def fit_config(save_dir: Path, steps: int, threads: int, workers: int = 0, model: dict | None = None) -> Path:
     import yaml
 
     cfg = {
@@ -131,7 +177,7 @@ def fit_config(save_dir: Path, steps: int, threads: int, workers: int = 0) -> Pa
                           {"class_path": "vitlab.callbacks.QKVDrift"}, {"class_path": "vitlab.callbacks.QKSpectra"},
                           {"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "epoch"}}],
         },
-        "model": {**MODEL, "lr": 1e-3},
+        "model": {**(model or MODEL), "lr": 1e-3},
         "data": {"root": None, "embedded_kwargs": {"patients": 96, "size": 64}, "image_size": 16, "batch_size": BATCH,
                  "augment": "none", "val_fraction": 0.2},
     }
@@ -147,23 +193,35 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
     parser.add_argument("--workers", type=int, default=0, help="vitlab's loader workers (default 0: batches made in the "
                         "training process, as the CPU quickstart does; 1: in a worker, as beside a GPU)")
+    parser.add_argument("--depth", type=int, default=1, help="blocks of the tiny ViT (12: ViT-B's parameter tensors and "
+                        "layer-decay groups, with --layer-decay 0.75)")
+    parser.add_argument("--layer-decay", type=float, default=None, help="layer decay on both sides (default none)")
+    parser.add_argument("--profile", action="store_true", help="print cProfile tables of the fit's second epoch (host Python)")
     args = parser.parse_args()
+    if args.profile:
+        os.environ["BENCH_CPROFILE"] = "1"
+    model = {"model_name": MODEL["model_name"], "model_kwargs": {**MODEL["model_kwargs"], "depth": args.depth}}
+    if args.layer_decay is not None:
+        model["layer_decay"] = args.layer_decay
     bare_runs, fit_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            bare_runs.append(run(BARE, [str(args.steps), str(args.threads), json.dumps(MODEL), str(BATCH)]))
+            bare_runs.append(run(BARE, [str(args.steps), str(args.threads), json.dumps(model), str(BATCH)]))
             save_dir = Path(tmp) / f"run{repeat}"
             save_dir.mkdir()
-            fit_runs.append(run(FIT, ["--config", str(fit_config(save_dir, args.steps, args.threads, args.workers)),
-                                      "--trainer.logger.init_args.save_dir", str(save_dir)]))
+            fit_runs.append(run(FIT, ["--config", str(fit_config(save_dir, args.steps, args.threads, args.workers, model)),
+                                      "--trainer.logger.init_args.save_dir", str(save_dir)], model))
     bare = min(r["step_s"] for r in bare_runs)
     best = min(fit_runs, key=lambda r: r["step_s"])
     diff = best["step_s"] - bare
-    print(f"tiny ViT (embed 16, 1 block, 16 px, batch {BATCH}), {args.threads} torch thread(s), {args.workers} loader worker(s), "
+    print(f"tiny ViT (embed 16, {args.depth} block(s), 16 px, batch {BATCH}, layer decay {args.layer_decay}), {args.threads} torch thread(s), {args.workers} loader worker(s), "
           f"{best['steps']} steps, "
           f"fastest of {args.repeats}:")
     print(f"  bare loop        : {bare * 1e3:6.2f} ms/step (forward, backward, AdamW on a batch in memory)")
     print(f"  vitlab fit       : {best['step_s'] * 1e3:6.2f} ms/step (median, from one batch start to the next)")
+    same = best["bare_same_process_s"]
+    print(f"  bare, same process after the fit: {same * 1e3:6.2f} ms/step; the fit's step = {best['step_s'] / same:4.2f}x it "
+          "(the side-by-side figure: same interpreter, threads and machine load)")
     print(f"  difference       : {diff * 1e3:6.2f} ms/step  (goal <= 2 ms)")
     where = "from the worker" if args.workers else "in the training process: read from memory, collate"
     print(f"    batch fetch    : {best['fetch_s'] * 1e3:6.2f} ms ({where})")
