@@ -410,3 +410,27 @@ def test_volume_intensity_jitter_is_keyed_and_follows_its_formula():
             DenseDataModule(**kwargs, volume_intensity=bad)
     with pytest.raises(ValueError, match="volume_intensity jitters whole volumes"):
         DenseDataModule(**{**kwargs, "sample": "slice", "volume_size": None}, volume_intensity=jitter)
+
+
+def test_class_folders_with_a_masks_tree_label_slices_by_their_masks(tmp_path):
+    """slice_labels: mask on class folders: each volume's label map at the same relative path under masks/."""
+    rng = np.random.default_rng(3)
+    root = tmp_path / "data"
+    for p in range(6):
+        cls = "lesion" if p % 2 == 0 else "clear"
+        array, mask = lesion_volume(rng, present=(2, 3) if p % 2 == 0 else ())
+        nifti(root / cls / f"p{p}.nii.gz", array)
+        nifti(root / "masks" / cls / f"p{p}.nii.gz", mask)
+    data = ImageData(str(root), image_size=16, sample="slice", slice_labels="mask", window_center=500,
+                     window_width=1000, augment="none", val_fraction=0.34, batch_size=4)
+    data.setup()
+    samples = [s for split in ("train", "val") for s in data.samples(split)]
+    assert len(samples) == 6 * 8 and data.class_names == ["absent", "present"]
+    for s in samples:
+        lesion = s.path.parent.name == "lesion" and s.slice in (2, 3)
+        assert s.label == ("present" if lesion else "absent"), (s.path, s.slice)
+    (root / "masks" / "clear" / "p1.nii.gz").unlink()  # a volume without its label map: skipped, in one line
+    again = ImageData(str(root), image_size=16, sample="slice", slice_labels="mask", window_center=500,
+                      window_width=1000, augment="none", val_fraction=0.34, batch_size=4)
+    again.setup()
+    assert sum(len(again.samples(split)) for split in ("train", "val")) == 5 * 8

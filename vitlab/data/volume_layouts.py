@@ -87,6 +87,10 @@ def _parallel_mask(root: Path, volume: Path) -> Path | None:
     return (root / MASKS_FOLDER / relative).resolve()
 
 
+def _existing(path: Path | None) -> Path | None:
+    return path if path is not None and path.is_file() else None
+
+
 def scan_volumes(root: Path, *, labels: bool, on_bad_file: str) -> Layout:
     """Volumes under ``root``: class folders ``root/<class>/**`` (masks in a parallel ``root/masks/<class>/**``
     tree), every volume under a folder (``labels`` False), or a ``.csv`` manifest whose ``path`` is a NIfTI file,
@@ -95,11 +99,12 @@ def scan_volumes(root: Path, *, labels: bool, on_bad_file: str) -> Layout:
         if root.suffix.lower() != ".csv":
             raise ValueError(f"data root {root} is a file but not a .csv manifest")
         return read_manifest(root, on_bad_file, labels, problem=volume_problem)
-    if not labels:
+    if not labels:  # (also class folders read for slice_labels: mask, whose labels come from the label maps)
         found = volumes_under(root, skip_top=MASKS_FOLDER)
         if not found:
             raise ValueError(f"data root {root} holds no volumes (.nii / .nii.gz files or folders of DICOM files)")
-        return Layout([Sample(p.resolve(), UNLABELLED, series_uid=uid) for p, uid in found], [], skipped=[])
+        return Layout([Sample(p.resolve(), UNLABELLED, mask=_existing(_parallel_mask(root, p)), series_uid=uid)
+                       for p, uid in found], [], skipped=[])
     samples = []
     class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and d.name != MASKS_FOLDER)
     for class_dir in class_dirs:
@@ -118,7 +123,8 @@ def check_volumes(samples: Sequence[Sample], options: VolumeOptions, on_bad_file
     for sample in samples:
         try:
             if sample.mask is None and (needs_mask or options.slice_labels == "mask"):
-                raise VolumeError(f"{sample.path}: no label map (a manifest 'mask' column or a masks/<class>/ tree), "
+                raise VolumeError(f"{sample.path}: no label map (a manifest 'mask' column, or a file at the same relative "
+                                  "path under the data root's masks/ folder: masks/<class>/.../<name>.nii.gz), "
                                   f"needed by {'data.slice_labels: mask' if options.slice_labels == 'mask' else 'this task'}")
             volume = read_volume(sample.path, series_uid=sample.series_uid)
             present = None
