@@ -96,9 +96,6 @@ class TaskModule(pl.LightningModule):
         return RunRecord(self.task, call, self.backbone_args.ablate, None if names is None else list(names),
                          None if datamodule is None else DataRecord.of(datamodule)).as_dict()
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[RECORD_KEY] = self.run_record()
-
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn``) and deep-copyable at any time: a ``torch.nn.utils.weight_norm`` layer (lightly's
         DINO head) keeps its weight as a non-leaf tensor that pickle refuses; it is recomputed from ``weight_g`` /
@@ -148,6 +145,7 @@ class TaskModule(pl.LightningModule):
             self.best_val[name] = value if best is None else max(best, value)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RECORD_KEY] = self.run_record()  # what built the run (vitlab.runs reopens it from this)
         checkpoint["best_val"] = dict(self.best_val)  # a resumed run's hparams table is the uninterrupted run's
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
