@@ -19,7 +19,7 @@ import torch
 from scipy import stats as scipy_stats
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.probes.volume_runs import SPACING, make_volume_run
+from tests.helpers.volumes import SPACING, make_volume_run
 from vitlab import models
 from vitlab.analysis.mi import gaussian_copula_mi
 from vitlab.analysis.probing import knn_probe
