@@ -1,7 +1,7 @@
 """probe.py mi, stats and features on 3-D checkpoints (ViT-3D, UNETR, SwinUNETR): volumes in, distances in mm.
 
 Independent references: distances from the block's token grid, the model input and the run's voxel size
-(``volume_runs.SPACING``) by a loop over tokens; MI, kurtosis and k-NN accuracy recomputed from activations recorded
+(``tests.helpers.volumes.SPACING``) by a loop over tokens; MI, kurtosis and k-NN accuracy recomputed from activations recorded
 here on the volumes the run's data gives, with labels read from the data's manifest.
 """
 
