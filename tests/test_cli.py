@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.training.test_classification import tiny_args
+from tests.helpers.runs import tiny_args
 from vitlab import cli_support
 from vitlab.cli import fit, probe_main, train_main
 from vitlab.data import MedicalDataModule

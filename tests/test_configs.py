@@ -82,7 +82,7 @@ def test_dense_config_trains_one_step(config, tmp_path, monkeypatch):
         "--data.image_size", "32", "--runtime.workers", "0", "--data.batch_size", "2", "--data.val_fraction", "0.5",
         "--trainer.max_epochs", "1", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
-        "--trainer.precision", "bf16-mixed",  # CPU autocast here; the fp32 path runs in test_train_dense.py
+        "--trainer.precision", "bf16-mixed",  # CPU autocast here; the fp32 path runs in tests/training/test_dense.py
     ])
     assert cli.trainer.global_step == 1 and cli.model.hparams.image_size == 32
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.probes.volume_runs import FAMILIES, SPACING, VOLUME, volume_data
+from tests.helpers.volumes import FAMILIES, SPACING, VOLUME, volume_data
 from vitlab import models
 from vitlab.models.testing import randomize_parameters
 from vitlab.run_record import RECORD_KEY, DataRecord, ModelCall, RunRecord, checkpoint_task, fallback_record, plain

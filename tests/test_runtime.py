@@ -176,7 +176,7 @@ def test_frozen_heap_freezes_survivors_for_the_fit_only():
 
 def _fit_outputs(args: list[str]):
     """Every Q/K/V snapshot and every scalar of a fit: what must not change."""
-    from tests.training.test_classification import events
+    from tests.helpers.runs import events
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit
 
@@ -201,7 +201,7 @@ def test_same_seed_same_numbers_beside_a_busy_process_and_from_the_saved_config(
     """Two fits with the same config and seed, one while another process keeps a core busy, give bit-identical
     snapshots and metrics; the run's config.yaml holds the resolved runtime, and passing it back repeats the run
     bit for bit."""
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
 
     base = ["--runtime.threads", "2", "--trainer.max_epochs", "2"]
     quiet_run, quiet, quiet_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "quiet", extra=base))
@@ -234,7 +234,7 @@ def test_loader_workers_never_change_the_numbers(tiny_dataset, tmp_path, capfd, 
     own, not the stream drop path draws from."""
     import json
 
-    from tests.training.test_classification import TINY_SWIN, tiny_args
+    from tests.helpers.runs import TINY_SWIN, tiny_args
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     kwargs = json.dumps({**TINY_SWIN["model_kwargs"], "drop_path_rate": 0.2})
@@ -306,7 +306,7 @@ def test_an_old_config_key_that_disagrees_with_the_new_one_is_refused_in_one_lin
 def test_an_old_config_trains_with_one_warning_line(tiny_dataset, tmp_path):
     """``python train.py --config old.yaml`` with ``data.num_workers``: trains, one warning line naming the new key;
     the run's config.yaml holds the new key only."""
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
 
     config = Path(tiny_args(tiny_dataset, tmp_path, epochs=1)[1])
     cfg = yaml.safe_load(config.read_text())

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers.models import shifted_window_partners
 from vitlab.analysis import attention_geometry
 from vitlab.analysis.attention_geometry import (attention_vs_distance, merge_distance_stats, orthogonal_planes, query_token,
                                                 token_centres, window_pairs)
@@ -94,17 +95,6 @@ def test_orthogonal_planes_and_query_token():
         query_token((32, 0, 0), (32, 32, 16), (4, 4, 2))
     with pytest.raises(ValueError, match="outside the grid"):
         orthogonal_planes(values, grid, (3, 0, 0))
-
-
-def shifted_window_partners(grid, window, shift):
-    """Swin's rule, independently: roll the grid by -shift, cut it into windows; within a window the regions
-    [0, G - w), [G - w, G - s), [G - s, G) of each axis (rolled coordinates) are masked apart."""
-    def label(x, n, w, s):
-        r = (x - s) % n
-        return r // w, (0 if r < n - w else 1 if r < n - s else 2)
-    cells = [tuple(c) for c in torch.cartesian_prod(*[torch.arange(n) for n in grid]).reshape(-1, len(grid)).tolist()]
-    labels = [tuple(label(x, n, w, s) for x, n, w, s in zip(c, grid, window, shift)) for c in cells]
-    return torch.tensor([[a == b for b in labels] for a in labels])
 
 
 @pytest.mark.parametrize("grid,window,shift", [((8, 8, 8), (4, 4, 4), (2, 2, 2)), ((8, 8, 8), (4, 4, 4), (0, 0, 0)),

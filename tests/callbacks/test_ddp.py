@@ -8,12 +8,9 @@ import pytest
 import torch
 import yaml
 
-from tests.training.test_classification import TINY_SWIN, events
+from tests.helpers.runs import DDP_SPAWN, TINY_SWIN, events
 from vitlab.qkv.state import load_snapshot
 from vitlab.cli import fit
-
-# a collective that one rank never reaches fails after 3 minutes instead of hanging the suite
-DDP_SPAWN = {"class_path": "pytorch_lightning.strategies.DDPStrategy", "init_args": {"start_method": "spawn", "timeout": "0:03:00"}}
 
 
 def run(manifest: Path, save_dir: Path, devices: int, batch_size: int) -> Path:

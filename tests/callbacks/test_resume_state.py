@@ -194,7 +194,7 @@ def test_checkpoints_are_never_held_back_by_a_figure_worker_that_draws_nothing(t
     starts (a checkpoint at most one epoch behind the snapshots, whatever the backlog), listing every figure handed
     in so far; at the end of the fit every image is written once."""
     import vitlab.callbacks.runtime as runtime_callback
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
     from vitlab.cli import fit
 
     workers = []

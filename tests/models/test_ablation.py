@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.helpers.models import LIBRARY_PARTS, POST_NORM, SINGLE, SWITCHES, expected_block
 from vitlab.models import (
     ablate,
     ablated,
@@ -17,36 +18,6 @@ from vitlab.models import (
 from vitlab.models.testing import TINY_IMAGE_SIZE, TINY_MODELS, tiny_model
 
 
-def _gamma(gamma):
-    """timm Eva / Beit LayerScale: ``gamma`` or 1 when the model has none."""
-    return 1.0 if gamma is None else gamma
-
-
-# the library's own sub-layers of each family, written directly against timm / torchvision modules
-# (an oracle independent of vitlab's adapters): norm1, branch 1 on the normed input, norm2, branch 2
-LIBRARY_PARTS = {
-    "timm-vit": (lambda b: b.norm1, lambda b, h: b.ls1(b.attn(h)), lambda b: b.norm2, lambda b, h: b.ls2(b.mlp(h))),
-    "timm-swin": (lambda b: b.norm1, lambda b, h: b._attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
-    "timm-mixer": (lambda b: b.norm1, lambda b, h: b.mlp_tokens(h.transpose(1, 2)).transpose(1, 2),
-                   lambda b: b.norm2, lambda b, h: b.mlp_channels(h)),
-    "torchvision-vit": (lambda b: b.ln_1, lambda b, h: b.self_attention(h, h, h, need_weights=False)[0],
-                        lambda b: b.ln_2, lambda b, h: b.mlp(h)),
-    "torchvision-swin": (lambda b: b.norm1, lambda b, h: b.attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
-    # res-post-norm Swin V2: x + norm1(attn(x)), x + norm2(mlp(x)) (see POST_NORM)
-    "timm-swinv2": (lambda b: b.norm1, lambda b, h: b._attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
-    "timm-swinv2-cr": (lambda b: b.norm1, lambda b, h: b._shifted_window_attn(h), lambda b: b.norm2,
-                       lambda b, h: b.mlp(h)),
-    "torchvision-swinv2": (lambda b: b.norm1, lambda b, h: b.attn(h), lambda b: b.norm2, lambda b, h: b.mlp(h)),
-    "timm-eva": (lambda b: b.norm1, lambda b, h: _gamma(b.gamma_1) * b.attn(h), lambda b: b.norm2,
-                 lambda b, h: _gamma(b.gamma_2) * b.mlp(h)),
-    "timm-beit": (lambda b: b.norm1, lambda b, h: _gamma(b.gamma_1) * b.attn(h), lambda b: b.norm2,
-                  lambda b, h: _gamma(b.gamma_2) * b.mlp(h)),
-    "timm-vit-relpos": (lambda b: b.norm1, lambda b, h: b.ls1(b.attn(h)), lambda b: b.norm2,
-                        lambda b, h: b.ls2(b.mlp(h))),
-}
-POST_NORM = {"timm-swinv2", "timm-swinv2-cr", "torchvision-swinv2"}
-# a norm on the stream after both residual adds (Swin V2-Cr norm3: the model's last block), never ablated
-MAIN_NORM = {"timm-swinv2-cr": lambda b: b.norm3}
 VARIANTS = {family: (family, {}) for family in TINY_MODELS}
 VARIANTS["timm-vit-layerscale"] = ("timm-vit", {"init_values": 0.1})
 
@@ -63,31 +34,6 @@ def _block_input(view, batch=2):
         return torch.randn(batch, *view.grid, view.dim, generator=generator)
     tokens = view.grid[0] * view.grid[1] + view.num_prefix_tokens
     return torch.randn(batch, tokens, view.dim, generator=generator)
-
-
-def _expected(family, block, x, keep):
-    """A removed branch is x -> x, a removed residual x -> f(x), a removed norm the identity."""
-    norm1, branch1, norm2, branch2 = LIBRARY_PARTS[family]
-    steps = ((keep["mixer"], norm1, branch1, keep["norm1"], keep["residual_mixer"]),
-             (keep["mlp"], norm2, branch2, keep["norm2"], keep["residual_mlp"]))
-    for on, norm, branch, norm_on, residual_on in steps:
-        if not on:
-            continue
-        if family in POST_NORM:  # res-post-norm: the norm acts on the branch output
-            f = branch(block, x)
-            f = norm(block)(f) if norm_on else f
-        else:
-            f = branch(block, norm(block)(x) if norm_on else x)
-        x = x + f if residual_on else f
-    return MAIN_NORM[family](block)(x) if family in MAIN_NORM else x
-
-
-SINGLE = {  # remove -> switches off
-    "attention": ["mixer"], "mlp": ["mlp"], "norm1": ["norm1"], "norm2": ["norm2"],
-    "residual_attention": ["residual_mixer"], "residual_mlp": ["residual_mlp"],
-    "residual": ["residual_mixer", "residual_mlp"], "layernorm": ["norm1", "norm2"],
-}
-SWITCHES = ["mixer", "mlp", "norm1", "norm2", "residual_mixer", "residual_mlp"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -114,7 +60,7 @@ def test_single_removal_matches_formula(variant, component):
     x = _block_input(view)
     keep = {name: name not in SINGLE[component.replace("token_mixing", "attention")] for name in SWITCHES}
     with torch.no_grad():
-        expected = _expected(family, view.module, x, keep)
+        expected = expected_block(family, view.module, x, keep)
         ablate(model, component, blocks=[view.global_index])
         actual = view.module(x)
     assert not torch.allclose(actual, view.module.__class__.forward(view.module, x), atol=1e-4)  # it changed

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers.models import attention_by_hand, images, window_attention_by_hand
 from vitlab.models import (
     blocks,
     build_model,
@@ -26,61 +27,6 @@ def _seeded():
     torch.manual_seed(0)
 
 
-def _images(batch=2, in_chans=3, seed=1):
-    return torch.randn(batch, in_chans, TINY_IMAGE_SIZE, TINY_IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
-
-
-# ---- independent re-implementation of (shifted-window) multi-head attention -------------------------
-
-def _relative_position_bias(table, window):
-    """(heads, T, T) bias: table[(r_i - r_j + wh - 1) * (2 ww - 1) + (c_i - c_j + ww - 1)]."""
-    wh, ww = window
-    rows, cols = torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij")
-    rows, cols = rows.flatten(), cols.flatten()
-    index = (rows[:, None] - rows[None, :] + wh - 1) * (2 * ww - 1) + (cols[:, None] - cols[None, :] + ww - 1)
-    return table[index].permute(2, 0, 1)
-
-
-def _attention_by_hand(h, weights, proj, heads, logit_bias=None):
-    """h (B', T, C) -> (out (B', T, C), probs (B', heads, T, T)); logit_bias broadcast to (B', heads, T, T)."""
-    def project(key):
-        out = h @ weights[key].T
-        if f"{key}_bias" in weights:
-            out = out + weights[f"{key}_bias"]
-        return out.unflatten(-1, (heads, -1)).transpose(1, 2)  # (B', heads, T, hd)
-
-    q, k, v = project("q"), project("k"), project("v")
-    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if logit_bias is not None:
-        logits = logits + logit_bias
-    probs = logits.softmax(dim=-1)
-    out = (probs @ v).transpose(1, 2).flatten(2) @ proj["weight"].T  # (B', T, C)
-    return out + proj.get("bias", 0), probs
-
-
-def _window_attention_by_hand(h, weights, proj, view):
-    """Swin branch on h (B, H, W, C): roll by -shift, windows, masked attention + rel-pos bias, back."""
-    batch, height, width, channels = h.shape
-    (wh, ww), (sh, sw) = view.window_size, view.shift_size
-    rolled = torch.roll(h, shifts=(-sh, -sw), dims=(1, 2))
-    windows = rolled.view(batch, height // wh, wh, width // ww, ww, channels).permute(0, 1, 3, 2, 4, 5)
-    windows = windows.reshape(-1, wh * ww, channels)  # (B*nW, T, C)
-    # a slot of the rolled grid "wrapped" when it came from the other image edge; only equal flags attend
-    wrapped_rows = (torch.arange(height) + sh >= height)[:, None].expand(height, width)
-    wrapped_cols = (torch.arange(width) + sw >= width)[None, :].expand(height, width)
-    region = (wrapped_rows.long() * 2 + wrapped_cols.long()).view(height // wh, wh, width // ww, ww)
-    region = region.permute(0, 2, 1, 3).reshape(-1, wh * ww)  # (nW, T)
-    mask = torch.zeros(region.shape[0], wh * ww, wh * ww)
-    mask[region[:, :, None] != region[:, None, :]] = float("-inf")
-    bias = _relative_position_bias(view.rel_pos_table.detach(), (wh, ww))  # (heads, T, T)
-    num_windows = region.shape[0]
-    logit_bias = (bias[None, None] + mask[None, :, None]).expand(batch, -1, -1, -1, -1).flatten(0, 1)
-    out, probs = _attention_by_hand(windows, weights, proj, view.num_heads, logit_bias)
-    out = out.view(batch, height // wh, width // ww, wh, ww, channels).permute(0, 1, 3, 2, 4, 5)
-    out = torch.roll(out.reshape(batch, height, width, channels), shifts=(sh, sw), dims=(1, 2))
-    return out, probs, num_windows
-
-
 # ---- tests -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ATTENTION_FAMILIES)
@@ -88,19 +34,19 @@ def test_attention_output_recomputed_from_qkv(family):
     model = tiny_model(family)
     weights, projections = qkv(model), out_proj(model)
     with torch.no_grad(), capture(model, ["qkv_input", "attn"]) as record, record_attention(model) as attention:
-        model(_images())
+        model(images())
     assert set(weights) == {view.name for view in blocks(model)}
     for view in blocks(model):
         h = record[view.name, "qkv_input"]  # (B, N, C) patch tokens
         if view.num_prefix_tokens:
             h = torch.cat([record.prefix[view.name]["qkv_input"], h], dim=1)
         if view.window_size is None:
-            expected, probs = _attention_by_hand(h, weights[view.name], projections[view.name], view.num_heads)
+            expected, probs = attention_by_hand(h, weights[view.name], projections[view.name], view.num_heads)
             assert torch.allclose(attention.attentions[view.name], probs, atol=1e-5)
             expected = expected[:, view.num_prefix_tokens:]
         else:
             height, width = record.grids[view.name]
-            expected, probs, _ = _window_attention_by_hand(h.unflatten(1, (height, width)), weights[view.name],
+            expected, probs, _ = window_attention_by_hand(h.unflatten(1, (height, width)), weights[view.name],
                                                            projections[view.name], view)
             assert torch.allclose(attention.attentions[view.name], probs, atol=1e-5)
             expected = expected.flatten(1, 2)
@@ -112,7 +58,7 @@ def test_attention_output_recomputed_from_qkv(family):
 @pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_recording_rows_sum_to_one_and_outputs_unchanged(family):
     model = tiny_model(family)
-    x = _images()
+    x = images()
     with torch.no_grad():
         plain = model(x)
         with record_attention(model) as record:
@@ -135,7 +81,7 @@ def test_dense_swin_form_times_values_gives_attention_output(family):
     model = tiny_model(family)
     weights, projections = qkv(model), out_proj(model)
     with torch.no_grad(), capture(model, ["qkv_input", "attn"]) as record, record_attention(model) as attention:
-        model(_images())
+        model(images())
     shifted = [view for view in blocks(model) if any(view.shift_size)]
     assert shifted  # the roll is exercised
     for view in blocks(model):
@@ -157,7 +103,7 @@ def test_dense_swin_form_times_values_gives_attention_output(family):
 @pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_recording_restored_after_exception(family):
     model = tiny_model(family)
-    x = _images()
+    x = images()
     modules = list(model.modules())
     hooks_before = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in modules]
     fused_before = [getattr(m, "fused_attn", None) for m in modules]

@@ -3,70 +3,25 @@
 import pytest
 import torch
 
+from tests.helpers.models import LIBRARY_MIXER, MAIN_NORM, images, library_block_io
 from vitlab.models import CAPTURE_SITES, blocks, capture, forward_until
-from vitlab.models.testing import TINY_IMAGE_SIZE, TINY_MODELS, tiny_model
-
-
-def _gamma(gamma):
-    """timm Eva / Beit LayerScale: ``gamma`` or 1 when the model has none."""
-    return 1.0 if gamma is None else gamma
+from vitlab.models.testing import TINY_MODELS, tiny_model
 
 
 FAMILIES = sorted(TINY_MODELS)
-# the library's own attention / token-mixing branch on the normed input (independent of vitlab adapters)
-# (kw: the keyword arguments the model passed to the block, e.g. Eva's rotary embedding ``rope``)
-LIBRARY_MIXER = {
-    "timm-vit": lambda b, x, **kw: b.ls1(b.attn(b.norm1(x))),
-    "timm-swin": lambda b, x, **kw: b._attn(b.norm1(x)),
-    "timm-mixer": lambda b, x, **kw: b.mlp_tokens(b.norm1(x).transpose(1, 2)).transpose(1, 2),
-    "torchvision-vit": lambda b, x, **kw: b.self_attention(*(b.ln_1(x),) * 3, need_weights=False)[0],
-    "torchvision-swin": lambda b, x, **kw: b.attn(b.norm1(x)),
-    "timm-swinv2": lambda b, x, **kw: b.norm1(b._attn(x)),  # res-post-norm
-    "timm-swinv2-cr": lambda b, x, **kw: b.norm1(b._shifted_window_attn(x)),
-    "torchvision-swinv2": lambda b, x, **kw: b.norm1(b.attn(x)),
-    "timm-eva": lambda b, x, **kw: _gamma(b.gamma_1) * b.attn(b.norm1(x), **kw),
-    "timm-beit": lambda b, x, **kw: _gamma(b.gamma_1) * b.attn(b.norm1(x), **kw),
-    "timm-vit-relpos": lambda b, x, **kw: b.ls1(b.attn(b.norm1(x), **kw)),
-}
-# a norm on the stream after both residual adds (Swin V2-Cr: the last block's norm3)
-MAIN_NORM = {"timm-swinv2-cr": lambda b, x: b.norm3(x)}
-
-
-def _images(batch=2, seed=1):
-    return torch.randn(batch, 3, TINY_IMAGE_SIZE, TINY_IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
-
-
-def _library_block_io(model, x):
-    """Inputs, outputs and keyword arguments of every block from plain forward hooks (the library forward)."""
-    inputs, outputs, kwargs, handles = {}, {}, {}, []
-
-    def keep(name):
-        def hook(module, args, block_kwargs, out):
-            inputs[name], outputs[name], kwargs[name] = args[0], out, block_kwargs
-        return hook
-
-    for view in blocks(model):
-        handles.append(view.module.register_forward_hook(keep(view.name), with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return inputs, outputs, kwargs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_capture_shapes_prefix_and_unchanged_outputs(family):
     model = tiny_model(family)
-    x = _images()
+    x = images()
     sites = list(CAPTURE_SITES)
     with torch.no_grad():
         plain = model(x)
         with capture(model, sites) as record:
             captured = model(x)
     assert torch.equal(captured, plain)  # bit-identical while capturing
-    library_inputs, library_outputs, library_kwargs = _library_block_io(model, x)
+    library_inputs, library_outputs, library_kwargs = library_block_io(model, x)
     for view in blocks(model):
         tokens = view.grid[0] * view.grid[1]
         assert record.grids[view.name] == view.grid
@@ -94,14 +49,14 @@ def test_capture_shapes_prefix_and_unchanged_outputs(family):
         library_in = library_inputs[view.name]
         library_in = library_in.flatten(1, 2) if library_in.ndim == 4 else library_in
         rebuilt = library_in[:, prefix:] + record[view.name, "attn"] + record[view.name, "mlp"]
-        rebuilt = MAIN_NORM[family](view.module, rebuilt) if family in MAIN_NORM else rebuilt
+        rebuilt = MAIN_NORM[family](view.module)(rebuilt) if family in MAIN_NORM else rebuilt
         assert torch.allclose(rebuilt, record[view.name, "resid"], atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["timm-vit", "timm-swin"])
 def test_capture_accumulates_selects_and_casts(family):
     model = tiny_model(family)
-    first, second = _images(seed=1), _images(batch=3, seed=2)
+    first, second = images(seed=1), images(batch=3, seed=2)
     last = blocks(model)[-1].name
     with torch.no_grad():
         with capture(model, "mlp", blocks=[last], dtype=torch.float16) as both:
@@ -123,8 +78,8 @@ def test_capture_accumulates_selects_and_casts(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_until_matches_intermediates_and_stops(family):
     model = tiny_model(family)
-    x = _images()
-    library_inputs, library_outputs, _ = _library_block_io(model, x)
+    x = images()
+    library_inputs, library_outputs, _ = library_block_io(model, x)
     views = blocks(model)
     target = views[len(views) // 2 - 1]
     later_calls = []

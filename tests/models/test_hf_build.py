@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.models.test_hf import HF_TINY, VARIANTS, _images, tiny_hf  # noqa: E402
+from tests.helpers.models import HF_TINY, HF_VARIANTS, images, tiny_hf  # noqa: E402
 from vitlab.models import (  # noqa: E402
     PretrainedWeightsUnavailable,
     UnsupportedModelError,
@@ -28,12 +28,12 @@ def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HF_VARIANTS)
 def test_save_pretrained_folder_round_trip(variant, tmp_path):
     name, kwargs = HF_TINY[variant]
     model = tiny_hf(variant)
     model.hf.save_pretrained(tmp_path)
-    x = _images()
+    x = images()
     with torch.no_grad():
         expected = model(x)
         via_weights = build_model(name, 3, weights=tmp_path, **kwargs).eval()
@@ -57,12 +57,12 @@ def test_folder_into_other_head_grayscale_and_size(tmp_path):
     gray = build_model(name, 3, in_chans=1, weights=tmp_path, **kwargs).eval()  # RGB filters summed
     conv = "hf.vit.embeddings.patch_embeddings.projection.weight"
     assert torch.allclose(embeddings(gray).patch_weight, source[conv].sum(1, keepdim=True))
-    x = _images(in_chans=1)
+    x = images(in_chans=1)
     with torch.no_grad():
         assert torch.allclose(gray(x), model(x.expand(-1, 3, -1, -1)), atol=1e-5)
     larger = build_model(name, 3, weights=tmp_path, **dict(kwargs, image_size=48)).eval()  # positions resampled
     assert larger.hf.vit.embeddings.position_embeddings.shape == (1, 1 + 36, 32)
-    assert larger(_images(size=48)).shape == (2, 3) and blocks(larger)[0].grid == (6, 6)
+    assert larger(images(size=48)).shape == (2, 3) and blocks(larger)[0].grid == (6, 6)
 
 
 def test_base_model_folder_gives_backbone_and_fresh_head(tmp_path):
@@ -83,7 +83,7 @@ def test_vitlab_checkpoint_file_and_normalization(tmp_path):
     torch.save({"state_dict": {f"model.{key}": value for key, value in model.state_dict().items()}}, path)
     loaded = build_model(name, 3, weights=path, **kwargs).eval()
     with torch.no_grad():
-        assert torch.equal(loaded(_images()), model(_images()))
+        assert torch.equal(loaded(images()), model(images()))
     assert normalization(loaded) == ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     folder = tmp_path / "folder"
     model.hf.save_pretrained(folder)
@@ -152,7 +152,7 @@ def test_fit_hf_model_with_qkv_callbacks(tiny_dataset, tmp_path):
     import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
     from vitlab.qkv.state import load_snapshot, qkv_state
     from vitlab.cli import fit
 

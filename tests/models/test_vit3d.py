@@ -1,16 +1,14 @@
 """The 3-D ViT (docs/models.md): token order, the inflation oracle, Q/K/V views / recording / ablation / capture
 against hand computation, and the weight paths of ``build_model("vit3d:...")``.
 
-The hand oracles are the 2-D ViT's (``tests/models/test_anatomy.py``, ``test_ablation.py``, ``test_capture.py``):
+The hand oracles are the 2-D ViT's (``tests/helpers/models.py``):
 a block is a block, only the token grid has three axes.
 """
 
 import pytest
 import torch
 
-from tests.models.test_ablation import LIBRARY_PARTS, SINGLE, SWITCHES, _expected
-from tests.models.test_anatomy import _attention_by_hand
-from tests.models.test_capture import LIBRARY_MIXER, _library_block_io
+from tests.helpers.models import LIBRARY_MIXER, LIBRARY_PARTS, SINGLE, SWITCHES, attention_by_hand, expected_block, library_block_io
 from vitlab.models import (
     PretrainedWeightsUnavailable,
     UnsupportedModelError,
@@ -205,7 +203,7 @@ def test_attention_recomputed_from_qkv_views(variant):
         assert h.shape == (2, 32, 32)
         if prefix:
             h = torch.cat([record.prefix[view.name]["qkv_input"], h], dim=1)
-        expected, probs = _attention_by_hand(h, weights[view.name], projections[view.name], view.num_heads)
+        expected, probs = attention_by_hand(h, weights[view.name], projections[view.name], view.num_heads)
         assert attention.attentions[view.name].shape == (2, 2, prefix + 32, prefix + 32)
         assert torch.allclose(attention.attentions[view.name], probs, atol=1e-5)
         assert torch.allclose(record[view.name, "attn"], expected[:, prefix:], atol=1e-5)
@@ -216,7 +214,7 @@ def test_attention_recomputed_from_qkv_views(variant):
 def test_capture_and_forward_until_match_the_library_forward():
     model = tiny_model("timm-vit3d", **WITH_CLASS_TOKEN)
     x = _volumes()
-    inputs, outputs, _ = _library_block_io(model, x)
+    inputs, outputs, _ = library_block_io(model, x)
     with torch.no_grad(), capture(model, ["attn", "mlp", "resid"]) as record:
         model(x)
     for view in blocks(model):
@@ -243,7 +241,7 @@ def test_ablations_follow_the_block_formula():
         keep = {name: name not in off for name in SWITCHES}
         with torch.no_grad(), ablated(model, component, blocks=[view.global_index]):
             actual = view.module(block_x)
-            expected = _expected("timm-vit", view.module, block_x, keep)
+            expected = expected_block("timm-vit", view.module, block_x, keep)
         assert torch.allclose(actual, expected, atol=1e-6, rtol=0), component
     norm1, branch1, _, _ = LIBRARY_PARTS["timm-vit"]
     first = blocks(model)[0].module

@@ -230,7 +230,7 @@ def test_a_training_run_draws_in_one_worker_paused_during_its_steps_and_ends_it(
     ``runtime.figures inline`` draws in the training process and ``off`` draws nothing."""
     import vitlab.callbacks.runtime as runtime_callback
     import vitlab.runtime as runtime
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
     from vitlab.cli import fit
 
     started = []
@@ -287,7 +287,7 @@ def test_a_training_script_without_a_main_guard_runs_once(tiny_dataset, tmp_path
     import subprocess
     import sys
 
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1)
     marker = tmp_path / "ran"

@@ -15,7 +15,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.probes.volume_runs import make_volume_run
+from tests.helpers.volumes import make_volume_run
 from vitlab import models
 from vitlab.analysis.probing import dice_counts, dice_from_counts
 from vitlab.probes import ablate, build_parser, main

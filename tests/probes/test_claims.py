@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from vitlab.cli import fit, probe_main
-from tests.training.test_classification import tiny_args
+from tests.helpers.runs import tiny_args
 
 
 @pytest.fixture(scope="module")

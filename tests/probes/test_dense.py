@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.test_dense import SWIN, dense_args
+from tests.helpers.runs import DENSE_SWIN, dense_args
 from vitlab.probe_cli import probe_main
 from vitlab.probes import main as probe
 from vitlab.probes.loading import load_model
@@ -121,7 +121,7 @@ def test_probe_images_of_a_coco_detection_run_are_the_jsons_images(tmp_path, mon
     """A detection run trained on a COCO JSON: the probes draw its images, not the embedded set's."""
     import json
 
-    from tests.data.test_dense import planted
+    from tests.helpers.data import planted
     from vitlab import models
     from vitlab.probes.loading import LoadedModel
     from vitlab.probes.streams import image_stream
@@ -136,7 +136,7 @@ def test_probe_images_of_a_coco_detection_run_are_the_jsons_images(tmp_path, mon
                                 "segmentation": [[6, 4 * i, 14, 4 * i, 14, 4 * i + 8, 6, 4 * i + 8]]})
     coco = tmp_path / "instances.json"
     coco.write_text(json.dumps({"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "tumour"}]}))
-    model = models.build_model(SWIN["model_name"], num_classes=1, in_chans=1, img_size=32, **SWIN["model_kwargs"])
+    model = models.build_model(DENSE_SWIN["model_name"], num_classes=1, in_chans=1, img_size=32, **DENSE_SWIN["model_kwargs"])
     loaded = LoadedModel(model.eval(), "swin", "test", task="detection",
                          data=DataRecord("DenseImageData", {"coco_json": str(coco), "val_fraction": 0.34, "image_size": 32}))
     args = argparse.Namespace(images=None, num_images=None, split="train", seed=0)

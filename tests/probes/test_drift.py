@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 
-from tests.training.test_classification import events
+from tests.helpers.runs import events
 from vitlab.qkv.state import head_counts, qkv_state
 from vitlab.cli import probe_main
 from vitlab.models.testing import tiny_model

@@ -30,7 +30,7 @@ def imported_after(code: str, cwd: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_dataset, tmp_path_factory) -> Path:
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
     from vitlab.cli import fit
 
     cli = fit(tiny_args(tiny_dataset, tmp_path_factory.mktemp("probe-imports"), epochs=1))

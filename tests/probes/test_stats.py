@@ -8,8 +8,6 @@ computation (capture / record_attention / forward_until + the analysis functions
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 from pathlib import Path
 
@@ -19,61 +17,19 @@ import scipy.stats
 import torch
 import yaml
 
+from tests.helpers.probes import load, model_args, probe_images, read_csv
+from tests.helpers.runs import events
 from vitlab import models
 from vitlab.analysis.mi import gaussian_copula_mi
 from vitlab.analysis.probing import knn_probe
 from vitlab.analysis.spectra import qk_spectra
 from vitlab.analysis.stats import attention_vs_angle
-from vitlab.models.testing import TINY_MODELS, tiny_model
 from vitlab.probes import build_parser, main
 from vitlab.probes.loading import LoadedModel
 from vitlab.probes.streams import load_images
 from vitlab.runs import config_data
 
 SUBCOMMANDS = ("mi", "stats", "attention", "spectra", "features")
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory) -> dict[str, Path]:
-    """Randomised tiny weights per family (default init would make attention uniform and MI trivial)."""
-    folder = tmp_path_factory.mktemp("tiny-weights")
-    paths = {}
-    for family in ("timm-vit", "timm-swin", "timm-mixer", "torchvision-vit"):
-        paths[family] = folder / f"{family}.pt"
-        torch.save(tiny_model(family, num_classes=2, seed=1).state_dict(), paths[family])
-    return paths
-
-
-def model_args(family: str, weights: dict[str, Path], prefix: str = "") -> list[str]:
-    name, kwargs = TINY_MODELS[family]
-    return [f"--{prefix}model", name, f"--{prefix}model-kwargs", json.dumps(kwargs), f"--{prefix}weights", str(weights[family])]
-
-
-def load(family: str, weights: dict[str, Path]) -> torch.nn.Module:
-    name, kwargs = TINY_MODELS[family]
-    return models.build_model(name, 2, weights=str(weights[family]), **kwargs).eval()
-
-
-def probe_images(model: torch.nn.Module, folder: Path):
-    """The images the probe sees with --images FOLDER (same files, order and normalisation)."""
-    args = argparse.Namespace(images=[str(folder)], num_images=None, split="val", seed=0)
-    return load_images(args, LoadedModel(model, "m", "test"), 10_000)
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path) as handle:
-        return list(csv.DictReader(handle))
-
-
-def events(out: Path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    return EventAccumulator(str(out), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0}).Reload()
-
-
-@pytest.fixture(scope="module")
-def image_dir(tiny_dataset) -> Path:
-    return Path(tiny_dataset).parent
 
 
 # ---------------------------------------------------------------------------------------------- help

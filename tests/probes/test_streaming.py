@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.probes.test_stats import image_dir, load, model_args, probe_images, read_csv, weights  # noqa: F401 - fixtures
+from tests.helpers.probes import load, model_args, probe_images, read_csv
 from vitlab import models
 from vitlab.analysis.mi import mi_vs_distance
 from vitlab.models.testing import tiny_model
@@ -26,7 +26,7 @@ from vitlab.run_record import DataRecord
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_image_stream_equals_loaded_images(tiny_dataset, image_dir):  # noqa: F811
+def test_image_stream_equals_loaded_images(tiny_dataset, image_dir):
     model = models.build_model("vit_tiny_patch16_224", 2, in_chans=3, img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2).eval()
     folder = argparse.Namespace(images=[str(image_dir)], num_images=11, split="val", seed=0)
     embedded = argparse.Namespace(images=None, num_images=9, split="train", seed=3)
@@ -42,7 +42,7 @@ def test_image_stream_equals_loaded_images(tiny_dataset, image_dir):  # noqa: F8
         assert (whole.labels is None and set(labels) == {None}) or torch.equal(torch.cat(labels), whole.labels)
 
 
-def all_at_once_mi(family, weights, image_dir, args: argparse.Namespace):  # noqa: F811
+def all_at_once_mi(family, weights, image_dir, args: argparse.Namespace):
     """The pre-streaming mi path: every image and channel in memory, then the channel subset and the estimators."""
     model = load(family, weights)
     inputs = probe_images(model, image_dir).inputs  # (N, C, H, W): all images
@@ -70,7 +70,7 @@ def all_at_once_mi(family, weights, image_dir, args: argparse.Namespace):  # noq
 
 @pytest.mark.parametrize("family", ["timm-vit", "timm-swin"])
 @pytest.mark.slow
-def test_streamed_mi_equals_all_in_memory(tmp_path, weights, image_dir, family):  # noqa: F811
+def test_streamed_mi_equals_all_in_memory(tmp_path, weights, image_dir, family):
     width = models.blocks(load(family, weights))[0].dim
     centre, cross = width // 2, 4  # a random subset of the channels: the draw must be the old one too
     out = tmp_path / "mi"
@@ -95,7 +95,7 @@ def test_streamed_mi_equals_all_in_memory(tmp_path, weights, image_dir, family):
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("events")) == ["mi.csv", "mi_ksg.csv"]  # no spill left
 
 
-def test_capture_keeps_only_the_chosen_channels(weights):  # noqa: F811
+def test_capture_keeps_only_the_chosen_channels(weights):
     model = load("timm-vit", weights)
     x = torch.randn(3, 3, 32, 32)
     keep = torch.tensor([5, 1, 30])

@@ -1,7 +1,7 @@
 """probe.py mi, stats and features on 3-D checkpoints (ViT-3D, UNETR, SwinUNETR): volumes in, distances in mm.
 
 Independent references: distances from the block's token grid, the model input and the run's voxel size
-(``volume_runs.SPACING``) by a loop over tokens; MI, kurtosis and k-NN accuracy recomputed from activations recorded
+(``tests.helpers.volumes.SPACING``) by a loop over tokens; MI, kurtosis and k-NN accuracy recomputed from activations recorded
 here on the volumes the run's data gives, with labels read from the data's manifest.
 """
 
@@ -19,7 +19,7 @@ import torch
 from scipy import stats as scipy_stats
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.probes.volume_runs import SPACING, make_volume_run
+from tests.helpers.volumes import SPACING, make_volume_run
 from vitlab import models
 from vitlab.analysis.mi import gaussian_copula_mi
 from vitlab.analysis.probing import knn_probe

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.probes.volume_runs import volume_fit_args
+from tests.helpers.volumes import volume_fit_args
 from vitlab.probes import main as probe
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.probes.volume_runs import SPACING, make_volume_run
+from tests.helpers.volumes import SPACING, make_volume_run
 from vitlab.probes import main
 from vitlab.probes.loading import LoadedModel, load_model
 from vitlab.probes.streams import image_stream, load_images

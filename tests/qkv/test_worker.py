@@ -34,7 +34,7 @@ def test_worker_runs_jobs_in_order_and_raises_their_errors_in_the_caller():
 
 
 def test_capture_copies_the_weights_once_and_its_host_copy_equals_qkv_state():
-    from tests.training.test_classification import TINY_SWIN
+    from tests.helpers.runs import TINY_SWIN
     from vitlab import models
 
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_
     """Two CPU runs of one config: one with the Q/K/V work and the checkpoints written inline, one as on a GPU: the
     Q/K/V work on its background thread, checkpoints copied and written by the background checkpoint writer.
     Snapshots, drift and spectra tables, every TensorBoard scalar and the checkpoints' tensors are the same."""
-    from tests.training.test_classification import events, tiny_args
+    from tests.helpers.runs import events, tiny_args
     from vitlab.callbacks import RuntimeCallback
     from vitlab.checkpoint_writer import BackgroundCheckpointIO
     from vitlab.cli import fit

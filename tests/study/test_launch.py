@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.training.test_classification import tiny_args
+from tests.helpers.runs import tiny_args
 from vitlab.cli import train_main
 from vitlab.study.launch import slots
 from vitlab.study.record import DONE, INTERRUPTED, PENDING, RUNNING, StudyFolder

@@ -18,8 +18,8 @@ import pytest
 import torch
 from scipy.stats import bootstrap, norm, t
 
-from tests.training.test_classification import events, tiny_args
-from tests.training.test_resume_kill import all_points
+from tests.helpers.runs import events, tiny_args
+from tests.helpers.runs import all_points
 from vitlab.cli import fit, probe_main, train_main
 from vitlab.study.record import DONE, StudyFolder
 

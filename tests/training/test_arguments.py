@@ -11,7 +11,7 @@ import yaml
 
 pytest.importorskip("lightly")
 
-from tests.training.test_dense import SWIN  # noqa: E402
+from tests.helpers.runs import DENSE_SWIN  # noqa: E402
 from vitlab.cli import TASKS, fit  # noqa: E402
 from vitlab.training import TaskModule  # noqa: E402
 from vitlab.training.arguments import OptimizerArgs  # noqa: E402
@@ -33,7 +33,7 @@ def module_class(task: str) -> type:
 
 def small(task: str, **overrides) -> TaskModule:
     """A task module over a tiny Swin with the data links filled in."""
-    backbone = dict(SWIN, model_kwargs=dict(SWIN["model_kwargs"], img_size=32))
+    backbone = dict(DENSE_SWIN, model_kwargs=dict(DENSE_SWIN["model_kwargs"], img_size=32))
     return module_class(task)(**backbone, in_chans=1, **LINKED[task], **overrides)
 
 
@@ -74,7 +74,7 @@ def test_hparams_stay_flat_plain_and_loadable_with_weights_only(task, tmp_path):
     assert module.hparams.lr == module.optimizer_args.lr == 3e-4
     assert module.hparams.layer_decay == module.optimizer_args.layer_decay == 0.75
     assert module.hparams.freeze == module.backbone_args.freeze == ["patch_embed"]
-    assert module.hparams.model_name == module.backbone_args.model_name == SWIN["model_name"]
+    assert module.hparams.model_name == module.backbone_args.model_name == DENSE_SWIN["model_name"]
     torch.save({"hyper_parameters": dict(module.hparams)}, tmp_path / "hp.ckpt")
     loaded = torch.load(tmp_path / "hp.ckpt", weights_only=True)["hyper_parameters"]
     assert loaded == dict(module.hparams)

@@ -7,53 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers.runs import TINY_SWIN, events, tiny_args
 from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit, train_main
-
-TINY_SWIN = {
-    "model_name": "swin_tiny_patch4_window7_224",
-    "model_kwargs": {"img_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [2, 2], "num_heads": [1, 2], "window_size": 4, "drop_path_rate": 0.0},
-}
-
-
-def tiny_args(manifest: Path, save_dir: Path, epochs: int = 2, extra: list[str] | None = None) -> list[str]:
-    cfg = {
-        "seed_everything": 0,
-        "trainer": {
-            "max_epochs": epochs,
-            "accelerator": "cpu",
-            "devices": 1,
-            "log_every_n_steps": 1,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "logger": {
-                "class_path": "pytorch_lightning.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": str(save_dir), "name": "tiny", "default_hp_metric": False},
-            },
-            "callbacks": [
-                {"class_path": "vitlab.callbacks.QKVSnapshot"},
-                {"class_path": "vitlab.callbacks.QKVDrift"},
-                {"class_path": "vitlab.callbacks.QKSpectra"},
-            ],
-        },
-        "model": {**TINY_SWIN, "lr": 1e-3, "warmup_epochs": 0.5},
-        "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "augment": "light", "val_fraction": 0.25},
-    }
-    import yaml
-
-    path = save_dir / "cfg.yaml"
-    save_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg))
-    return ["--config", str(path), *(extra or [])]
-
-
-def events(run_dir: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
-    acc.Reload()
-    return acc
-
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -21,7 +21,7 @@ def test_compile_option_values():
 
 @pytest.mark.slow
 def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_dataset, tmp_path):
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
     from vitlab.cli import fit
     from vitlab.qkv.state import load_snapshot
 
@@ -48,7 +48,7 @@ def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_datas
 
 
 def test_adamw_is_fused_on_cuda_only():
-    from tests.training.test_classification import TINY_SWIN
+    from tests.helpers.runs import TINY_SWIN
     from vitlab.training.classification import ClassificationModule
 
     module = ClassificationModule(num_classes=2, layer_decay=0.75, **TINY_SWIN)

@@ -2,49 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers.runs import DENSE_SWIN, dense_args, events
 from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit
 from vitlab.training import DetectionModule, SegmentationModule
-
-SWIN = {"model_name": "swin_tiny_patch4_window7_224",
-        "model_kwargs": {"patch_size": 4, "embed_dim": 16, "depths": [2, 2], "num_heads": [1, 2], "window_size": 4}}
-
-
-def dense_args(task: str, save_dir: Path, epochs: int, extra: list[str] | None = None) -> list[str]:
-    cfg = {
-        "task": task,
-        "seed_everything": 0,
-        "trainer": {
-            "max_epochs": epochs, "accelerator": "cpu", "devices": 1, "log_every_n_steps": 1,
-            "enable_progress_bar": False, "enable_model_summary": False,
-            "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
-                       "init_args": {"save_dir": str(save_dir), "name": task, "default_hp_metric": False}},
-            "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
-                          {"class_path": "vitlab.callbacks.QKSpectra"}],
-        },
-        "model": {**SWIN, "lr": 2e-3, "warmup_epochs": 0.5},
-        "runtime": {"workers": 0},
-        "data": {"root": None, "embedded_kwargs": {"patients": 6, "slices": 2, "size": 32, "difficulty": 0.0},
-                 "image_size": 32, "batch_size": 4, "augment": "light", "val_fraction": 0.34},
-    }
-    path = save_dir / f"{task}.yaml"
-    save_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg))
-    return ["--config", str(path), *(extra or [])]
-
-
-def events(run_dir: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    return acc
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task,metrics", [
@@ -91,7 +55,7 @@ def planted_targets(size=32):
 
 
 def test_detection_metric_path_perfect_and_empty():
-    module = DetectionModule(num_classes=1, image_size=32, **SWIN)
+    module = DetectionModule(num_classes=1, image_size=32, **DENSE_SWIN)
     truth = [planted_targets(), {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
                                  "masks": torch.zeros(0, 32, 32, dtype=torch.uint8)}]
     perfect = [{**t, "scores": torch.ones(len(t["labels"])), "masks": t["masks"][:, None].float()} for t in truth]
@@ -110,16 +74,16 @@ def test_detection_metric_path_perfect_and_empty():
 def test_module_reports_the_backbone_keys_it_loaded(tmp_path, capsys):
     from vitlab import models
 
-    classifier = models.build_model(SWIN["model_name"], num_classes=2, in_chans=1, img_size=32, **SWIN["model_kwargs"])
+    classifier = models.build_model(DENSE_SWIN["model_name"], num_classes=2, in_chans=1, img_size=32, **DENSE_SWIN["model_kwargs"])
     torch.save({"state_dict": {f"model.{k}": v for k, v in classifier.state_dict().items()}}, tmp_path / "c.ckpt")
-    module = SegmentationModule(num_classes=1, image_size=32, weights=str(tmp_path / "c.ckpt"), **SWIN)
+    module = SegmentationModule(num_classes=1, image_size=32, weights=str(tmp_path / "c.ckpt"), **DENSE_SWIN)
     line = capsys.readouterr().out.strip().splitlines()[-1]
     n = len(models.backbone_state(module.model))
     assert f"{n} backbone tensors loaded" in line and "c.ckpt" in line and "head was left out" in line
 
 
 def test_segmentation_metric_path_perfect_and_empty():
-    module = SegmentationModule(num_classes=1, image_size=32, class_names=["lesion"], **SWIN)
+    module = SegmentationModule(num_classes=1, image_size=32, class_names=["lesion"], **DENSE_SWIN)
     mask = planted_targets()["masks"].amax(dim=0, keepdim=True).long()  # (1, H, W) label map
     mask = torch.cat([mask, torch.zeros_like(mask)])  # and a lesion-free image
     perfect = torch.nn.functional.one_hot(mask, 2).permute(0, 3, 1, 2).float() * 10  # (B, 2, H, W) logits
@@ -141,22 +105,22 @@ def test_segmentation_class_weights_weight_each_pixels_cross_entropy_by_its_clas
     torch.manual_seed(0)
     logits, mask = torch.randn(2, 3, 8, 8, 4), torch.randint(0, 3, (2, 8, 8, 4))  # 2 foreground classes, volumes
     weights = torch.rand(3) * 4 + 0.1
-    module = SegmentationModule(num_classes=2, image_size=32, class_weights=weights.tolist(), dice_weight=0.7, **SWIN)
+    module = SegmentationModule(num_classes=2, image_size=32, class_weights=weights.tolist(), dice_weight=0.7, **DENSE_SWIN)
     nll = -logits.log_softmax(dim=1).gather(1, mask[:, None])[:, 0]  # (2, 8, 8, 4)
     w = weights[mask]
     expected = (w * nll).sum() / w.sum() + 0.7 * soft_dice_loss(logits, mask)
     assert module._loss(logits, mask).item() == pytest.approx(expected.item(), rel=1e-5)
-    plain = SegmentationModule(num_classes=2, image_size=32, **SWIN)
+    plain = SegmentationModule(num_classes=2, image_size=32, **DENSE_SWIN)
     assert plain._loss(logits, mask).item() == pytest.approx((nll.mean() + soft_dice_loss(logits, mask)).item(), rel=1e-5)
     for bad in ([1.0, 2.0], [1.0, 0.0, 2.0]):
         with pytest.raises(ValueError, match=r"model.class_weights must be 3 positive numbers \(background, then 2 "):
-            SegmentationModule(num_classes=2, image_size=32, class_weights=bad, **SWIN)
+            SegmentationModule(num_classes=2, image_size=32, class_weights=bad, **DENSE_SWIN)
 
 
 def test_segmentation_refuses_rows_with_boxes_but_no_mask(tmp_path):
     import pytorch_lightning as pl
 
-    from tests.data.test_dense import planted, write_manifest
+    from tests.helpers.data import planted, write_manifest
     from vitlab.data import DenseDataModule
 
     rows = []
@@ -166,7 +130,7 @@ def test_segmentation_refuses_rows_with_boxes_but_no_mask(tmp_path):
                      "6 4 14 12 lesion" if i == 3 else ""))
     manifest = write_manifest(tmp_path / "m.csv", rows, header=("path", "label", "patient_id", "mask", "boxes"))
     dm = DenseDataModule(root=str(manifest), image_size=32, num_workers=0, batch_size=2, val_fraction=0.34)
-    module = SegmentationModule(num_classes=1, image_size=32, **SWIN)
+    module = SegmentationModule(num_classes=1, image_size=32, **DENSE_SWIN)
     trainer = pl.Trainer(fast_dev_run=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match=r"segmentation needs a label map for every image: .*i3.png has a 'boxes' "

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.training.test_dense import dense_args, events
+from tests.helpers.runs import dense_args, events
 from vitlab.qkv.state import load_snapshot, qkv_state
 from vitlab.cli import fit
 from vitlab.probes import main as probe

@@ -15,14 +15,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 pytest.importorskip("lightly")
 
+from tests.helpers.runs import DINO_TINY, tiny_args  # noqa: E402
 from vitlab import models  # noqa: E402
 from vitlab.analysis import weighted_knn  # noqa: E402
 from vitlab.data.multicrop import MultiCrop  # noqa: E402
 from vitlab.training.dino import DINOModule, entropy, teacher_temperature  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TINY = dict(model_name="vit_tiny_patch16_224", model_kwargs=dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, dynamic_img_size=True),
-            out_dim=64, hidden_dim=32, bottleneck_dim=16, local_crops=2, local_size=16)
 
 
 def definition_loss(teacher, student, center, t_temp, s_temp):
@@ -39,7 +38,7 @@ def definition_loss(teacher, student, center, t_temp, s_temp):
 
 def test_loss_matches_definition_and_updates_centre():
     torch.manual_seed(0)
-    module = DINOModule(**TINY, student_temp=0.1, center_momentum=0.8)
+    module = DINOModule(**DINO_TINY, student_temp=0.1, center_momentum=0.8)
     crit = module.criterion
     center = torch.randn(1, 1, 64)
     crit.center.copy_(center)
@@ -68,7 +67,7 @@ class _Trainer:
 
 def test_stop_gradient_and_ema_update():
     torch.manual_seed(1)
-    module = DINOModule(**TINY, momentum_start=0.9, momentum_end=1.0, freeze_last_layer=0)
+    module = DINOModule(**DINO_TINY, momentum_start=0.9, momentum_end=1.0, freeze_last_layer=0)
     module._trainer = _Trainer()  # momentum() reads the run length
     with torch.no_grad():  # teacher differs from student, so the EMA is visible
         for p in module.teacher_model.parameters():
@@ -93,7 +92,7 @@ def test_stop_gradient_and_ema_update():
 
 def test_views_of_one_size_share_a_backbone_pass_with_per_view_results():
     torch.manual_seed(3)
-    module = DINOModule(**{**TINY, "local_crops": 3})
+    module = DINOModule(**{**DINO_TINY, "local_crops": 3})
     for p in [*module.parameters()]:  # randomised, teacher apart from the student
         p.data.normal_(0, 0.3)
     module.model.eval(), module.teacher_model.eval()  # no stochastic depth: the two orders give the same numbers
@@ -195,7 +194,7 @@ def dino_config(manifest, save_dir, epochs=2):
                                   {"class_path": "vitlab.callbacks.QKSpectra"}]},
         "checkpoint": {"monitor": "val/knn_acc"},
         "task": "dino",
-        "model": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
+        "model": {**DINO_TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
         "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 8, "augment": "none", "val_fraction": 0.25},
     }
     path = save_dir / "dino.yaml"
@@ -242,12 +241,11 @@ def test_tiny_pretraining_logs_checkpoints_and_resumes(tiny_dataset, tmp_path):
 def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_dataset, tmp_path, capsys):
     from vitlab.qkv.state import load_snapshot
     from vitlab.cli import fit, train_main
-    from tests.training.test_classification import tiny_args
 
     fit(["--config", str(dino_config(tiny_dataset, tmp_path / "runs", epochs=1))])
     dino_run = tmp_path / "runs" / "dino" / "version_0"
     ckpt = dino_run / "checkpoints" / "last.ckpt"
-    vit = {"model_name": TINY["model_name"], "model_kwargs": TINY["model_kwargs"], "weights": str(ckpt)}
+    vit = {"model_name": DINO_TINY["model_name"], "model_kwargs": DINO_TINY["model_kwargs"], "weights": str(ckpt)}
     args = tiny_args(tiny_dataset, tmp_path / "ft", epochs=1)
     cfg = yaml.safe_load(open(args[1]))
     cfg["model"].update(vit)
@@ -257,7 +255,7 @@ def test_finetune_from_dino_checkpoint_starts_at_the_pretrained_backbone(tiny_da
     start, _ = load_snapshot(tmp_path / "ft" / "tiny" / "version_0" / "qkv" / "epoch_000.safetensors")
     assert start.keys() == pretrained.keys() and all(torch.equal(start[k], pretrained[k]) for k in start)
     # a pretraining checkpoint of another architecture: the mismatched keys are named
-    cfg["model"].update({"model_kwargs": {**TINY["model_kwargs"], "embed_dim": 48}})
+    cfg["model"].update({"model_kwargs": {**DINO_TINY["model_kwargs"], "embed_dim": 48}})
     open(args[1], "w").write(yaml.safe_dump(cfg))
     with pytest.raises(SystemExit):
         train_main(args)
@@ -357,7 +355,6 @@ def test_dino_on_unlabelled_scans_trains_without_validation(tiny_dataset, tmp_pa
         probe_main(["features", "--checkpoint", ckpt, "--out", str(tmp_path / "feat")])
     assert "carry no labels" in capsys.readouterr().err
     # classification needs labels: one line that says what unlabelled images are for
-    from tests.training.test_classification import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "cls", epochs=1)
     with pytest.raises(SystemExit):
@@ -399,7 +396,6 @@ def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_p
     assert len(acc.Scalars("val/knn_acc")) == 1
     assert (tmp_path / "runs" / "dino" / "version_0" / "checkpoints" / "best-epoch000.ckpt").is_file()
     # other tasks refuse the unlabelled images in one line, before writing a run folder
-    from tests.training.test_classification import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "cls", epochs=1)
     with pytest.raises(SystemExit):

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("lightly")
 
-from tests.training.test_dino import TINY  # noqa: E402
+from tests.helpers.runs import DINO_TINY  # noqa: E402
 from vitlab.training import ClassificationModule, DINOModule, TaskModule, warmup_cosine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,7 +27,7 @@ def optimiser(module: TaskModule):
 
 def test_groups_cover_student_and_head_once_with_no_decay_on_norms_biases_and_position_tables():
     torch.manual_seed(0)
-    module = DINOModule(**TINY, lr=2e-3, weight_decay=0.04, warmup_epochs=1.0, min_lr_ratio=0.1, freeze=["patch_embed"])
+    module = DINOModule(**DINO_TINY, lr=2e-3, weight_decay=0.04, warmup_epochs=1.0, min_lr_ratio=0.1, freeze=["patch_embed"])
     assert isinstance(module, TaskModule)
     opt, sched = optimiser(module)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -52,7 +52,7 @@ def test_groups_cover_student_and_head_once_with_no_decay_on_norms_biases_and_po
     assert lrs == pytest.approx([2e-3 * factor(s) for s in range(10)])
     # the same groups as the classifier's for the same backbone
     torch.manual_seed(0)
-    classifier = ClassificationModule(model_name=TINY["model_name"], model_kwargs=TINY["model_kwargs"], weight_decay=0.04)
+    classifier = ClassificationModule(model_name=DINO_TINY["model_name"], model_kwargs=DINO_TINY["model_kwargs"], weight_decay=0.04)
     copt, _ = optimiser(classifier)
     cnames = {id(p): n for n, p in classifier.named_parameters()}
     backbone = {names[id(p)]: g["weight_decay"] for g in opt.param_groups for p in g["params"] if names[id(p)].startswith("model.")}
@@ -61,23 +61,23 @@ def test_groups_cover_student_and_head_once_with_no_decay_on_norms_biases_and_po
 
 
 def test_layer_decay_head_at_full_lr_and_bad_value_named():
-    module = DINOModule(**TINY, lr=1e-3, layer_decay=0.5, warmup_epochs=0.0)
+    module = DINOModule(**DINO_TINY, lr=1e-3, layer_decay=0.5, warmup_epochs=0.0)
     opt, _ = optimiser(module)
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
-    depth = TINY["model_kwargs"]["depth"]
+    depth = DINO_TINY["model_kwargs"]["depth"]
     head = [p for p in module.head.parameters() if p.requires_grad]
     assert head and all(lr_of[id(p)] == pytest.approx(1e-3) for p in head)  # the head trains as the last layer
     assert lr_of[id(module.model.pos_embed)] == pytest.approx(1e-3 * 0.5 ** (depth + 1))  # embedding: layer 0
     assert lr_of[id(module.model.blocks[0].attn.qkv.weight)] == pytest.approx(1e-3 * 0.5**depth)
     with pytest.raises(ValueError, match="model.layer_decay must be in"):
-        DINOModule(**TINY, layer_decay=1.5)
+        DINOModule(**DINO_TINY, layer_decay=1.5)
 
 
 def test_ablation_reaches_student_and_teacher():
     torch.manual_seed(3)
-    plain = DINOModule(**TINY)
+    plain = DINOModule(**DINO_TINY)
     torch.manual_seed(3)
-    ablated = DINOModule(**TINY, ablate={"remove": ["attention"], "blocks": [0, 1]})
+    ablated = DINOModule(**DINO_TINY, ablate={"remove": ["attention"], "blocks": [0, 1]})
     images = torch.randn(3, 1, 32, 32)
     plain.eval(), ablated.eval()
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_picklable_for_ddp_spawn_and_deep_copyable_after_a_step():
     import pickle
 
     torch.manual_seed(4)
-    module = DINOModule(**TINY)
+    module = DINOModule(**DINO_TINY)
     x = torch.randn(3, 32)
     module.head(x).sum().backward()  # the weight-normed last layer now holds a non-leaf weight
     for clone in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):

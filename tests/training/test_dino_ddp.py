@@ -13,9 +13,7 @@ from pytorch_lightning.callbacks import Callback
 
 pytest.importorskip("lightly")
 
-from tests.callbacks.test_ddp import DDP_SPAWN  # noqa: E402
-from tests.training.test_dino import TINY  # noqa: E402
-from tests.training.test_classification import events  # noqa: E402
+from tests.helpers.runs import DDP_SPAWN, DINO_TINY, events  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GATHER_ROWS = 7  # an odd count: the DistributedSampler pads rank 1 with a repeat of row 0
@@ -63,7 +61,7 @@ def ddp_config(manifest: Path, save_dir: Path, probe: Path, epochs: int) -> list
             "callbacks": [{"class_path": "vitlab.callbacks.QKVSnapshot"}, {"class_path": "vitlab.callbacks.QKVDrift"},
                           {"class_path": "vitlab.callbacks.QKSpectra"}, {"class_path": "tests.training.test_dino_ddp.RankProbe", "init_args": {"out": str(probe)}}],
         },
-        "model": {**TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
+        "model": {**DINO_TINY, "lr": 1e-3, "warmup_epochs": 0.5, "warmup_teacher_temp_epochs": 2},
         # 8 patients x 3 slices, one patient in validation: 21 train / 3 val images, both odd (sampler padding)
         "runtime": {"workers": 0}, "data": {"root": str(manifest), "image_size": 32, "batch_size": 4, "augment": "none", "val_fraction": 0.125},
     }

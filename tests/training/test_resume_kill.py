@@ -28,7 +28,8 @@ import torch
 import yaml
 from pytorch_lightning.callbacks import Checkpoint
 
-from tests.training.test_classification import TINY_SWIN, events, tiny_args
+from tests.helpers.runs import TINY_SWIN, all_points, tiny_args
+from tests.helpers.volumes import SWIN_UNETR, volume_fit_args
 from vitlab.cli import fit
 from vitlab.qkv.state import load_snapshot
 
@@ -112,21 +113,6 @@ def resume(run_args: RunArgs, runs: Path, run: Path) -> None:
     assert not (runs / "tiny" / "version_1").exists()
 
 
-def all_points(run: Path) -> dict[str, list[tuple[int, object]]]:
-    """kind:tag -> [(step, value)] as TensorBoard's EventAccumulator reads them back (images: their tag and step)."""
-    acc = events(run)
-    points: dict[str, list[tuple[int, object]]] = {}
-    for tag in acc.Tags()["scalars"]:
-        points[f"scalars:{tag}"] = [(e.step, e.value) for e in acc.Scalars(tag)]
-    for tag in acc.Tags()["histograms"]:
-        points[f"histograms:{tag}"] = [(e.step, e.histogram_value) for e in acc.Histograms(tag)]
-    for tag in acc.Tags()["tensors"]:
-        points[f"tensors:{tag}"] = [(e.step, str(e.tensor_proto).replace(str(run), "<run>")) for e in acc.Tensors(tag)]
-    for tag in acc.Tags()["images"]:
-        points[f"images:{tag}"] = [(e.step, None) for e in acc.Images(tag)]
-    return points
-
-
 def assert_same_run(run: Path, reference: Path) -> None:
     """``run`` (killed and resumed) equals ``reference`` (never killed), bit for bit; see the module docstring."""
     files = sorted(p.name for p in (reference / "qkv").iterdir())
@@ -172,7 +158,6 @@ def image_run_args(tiny_dataset) -> RunArgs:
 @pytest.fixture(scope="module")
 def volume_run_args(tmp_path_factory) -> RunArgs:
     """A tiny SwinUNETR (drop path 0.1) segmenting 4 synthetic CT patients' whole volumes (2 train, 2 validation)."""
-    from tests.probes.volume_runs import SWIN_UNETR, volume_fit_args
     from vitlab.data.synthetic import generate_volumes
 
     manifest = generate_volumes(tmp_path_factory.mktemp("volumes"), patients=4, size=32, slices=8, seed=2, difficulty=0.0)

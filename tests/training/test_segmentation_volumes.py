@@ -77,7 +77,7 @@ def test_sliding_window_validation_equals_a_direct_forward_when_the_volume_fits_
 @pytest.mark.slow
 @pytest.mark.parametrize("patches", [False, True], ids=["whole", "patches"])
 def test_tiny_swin_unetr_segments_whole_volumes_with_the_qkv_callbacks(tmp_path, patches):
-    from tests.training.test_classification import events, tiny_args
+    from tests.helpers.runs import events, tiny_args
     from vitlab.cli import fit
     from vitlab.data.synthetic import generate_volumes
 

@@ -108,7 +108,7 @@ COUNTER = f"{__name__}.SyncCounter"
 
 
 def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset, tmp_path):
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
 
     limits = ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
     cli = fit(_first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=limits), COUNTER))
@@ -121,7 +121,7 @@ def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset,
 
 @pytest.mark.slow
 def test_segmentation_training_steps_make_no_synchronisation_of_their_own(tmp_path, monkeypatch):
-    from tests.training.test_dense import dense_args
+    from tests.helpers.runs import dense_args
 
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
     args = _first(dense_args("segmentation", tmp_path / "runs", epochs=1, extra=["--trainer.limit_val_batches", "0"]), COUNTER)
@@ -133,7 +133,7 @@ def test_segmentation_training_steps_make_no_synchronisation_of_their_own(tmp_pa
 @pytest.mark.slow
 def test_the_counter_sees_a_synchronisation_made_in_vitlab(tiny_dataset, tmp_path, monkeypatch):
     """The counter is live: a planted ``.item()`` in the classification step is reported, with its place."""
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
 
     def planted(self, *tensors):
         float(tensors[0].sum())  # what a careless step would do
@@ -147,7 +147,7 @@ def test_the_counter_sees_a_synchronisation_made_in_vitlab(tiny_dataset, tmp_pat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_classification_steps_on_cuda_run_under_sync_debug_error(tiny_dataset, tmp_path):
-    from tests.training.test_classification import tiny_args
+    from tests.helpers.runs import tiny_args
 
     args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--trainer.accelerator", "gpu"])
     cli = fit(_first(args, COUNTER, cuda_error=True))

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.training.test_classification import events, tiny_args
-from tests.training.test_dense import dense_args
-from tests.training.test_dense import events as dense_events
+from tests.helpers.runs import DINO_TINY, TINY_SWIN, dense_args, events, tiny_args
 from vitlab.cli import fit
 from vitlab.data.synthetic import generate_volumes
 
@@ -45,20 +43,19 @@ def test_dense_tasks_on_slabs_of_dicom_series(volumes, tmp_path, task):
              "--data.root", str(manifest), "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
     cli = fit(dense_args(task, tmp_path, epochs=1, extra=extra))
     assert cli.trainer.global_step == 2 and cli.datamodule.in_chans == 3
-    tags = set(dense_events(tmp_path / task / "version_0").Tags()["scalars"])
+    tags = set(events(tmp_path / task / "version_0").Tags()["scalars"])
     assert {"val/map_50", "val/mask_map_50"} <= tags if task == "detection" else {"val/dice_lesion"} <= tags
 
 
 @pytest.mark.slow
 def test_dino_on_unlabelled_volumes(volumes, tmp_path):
-    from tests.training.test_dino import TINY
 
     nifti = volumes.parent / "nifti"
     args = tiny_args(volumes, tmp_path, epochs=1)
     import yaml
 
     cfg = yaml.safe_load(open(args[1]))
-    cfg.update(task="dino", checkpoint={"monitor": "val/knn_acc"}, model={**TINY, "lr": 1e-3, "warmup_epochs": 0.5})
+    cfg.update(task="dino", checkpoint={"monitor": "val/knn_acc"}, model={**DINO_TINY, "lr": 1e-3, "warmup_epochs": 0.5})
     cfg["data"].update(root=str(nifti), sample="slab", slab_radius=1, labels=False, augment="none")
     cfg["trainer"]["max_steps"] = 2
     open(args[1], "w").write(yaml.safe_dump(cfg))
@@ -73,7 +70,6 @@ def test_class_weights_weight_the_training_loss_only():
     import torch
     import torch.nn.functional as F
 
-    from tests.training.test_classification import TINY_SWIN
     from vitlab.training.classification import ClassificationModule
 
     with pytest.raises(ValueError, match="class_weights must give 2 positive"):

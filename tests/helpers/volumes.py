@@ -1,4 +1,4 @@
-"""Tiny 3-D runs for the probe tests, without training: synthetic CT volumes, and for each 3-D family a run folder
+"""Tiny 3-D runs for the probe and run tests, without training: synthetic CT volumes, and for each 3-D family a run folder
 ``runs/<family>/version_0/`` holding ``config.yaml`` (the task, model and data sections) and ``checkpoints/last.ckpt``
 (the Lightning layout vitlab writes: ``hyper_parameters`` + ``state_dict`` with the ``model.`` prefix) of a model with
 every parameter randomised; both with the run record of :mod:`vitlab.runs`, or (``recorded=False``) without it, as
@@ -19,6 +19,7 @@ import torch
 import yaml
 from torch import nn
 
+from tests.helpers.runs import tiny_args
 from vitlab import models
 from vitlab.data.synthetic import generate_volumes
 from vitlab.models.testing import randomize_parameters
@@ -92,8 +93,6 @@ SWIN_UNETR = "{img_size: 32, feature_size: 12, depths: [2, 2, 2, 2], num_heads: 
 
 def volume_fit_args(manifest: Path, runs: Path, epochs: int, extra: list[str] | None = None) -> list[str]:
     """A tiny SwinUNETR lesion segmentation of whole volumes (32^3 voxels of 1.4 x 1.4 x 2.5 mm), Q/K/V callbacks on."""
-    from tests.training.test_classification import tiny_args
-
     return tiny_args(manifest, runs, epochs=epochs, extra=[
         "--task", "segmentation", "--model.model_name", "monai:swin_unetr", "--model.model_kwargs", SWIN_UNETR,
         "--model.sliding_window", "[32, 32, 32]", "--data.sample", "volume", "--data.spacing", "[1.4, 1.4, 2.5]",

@@ -182,7 +182,7 @@ def test_tests_and_benchmarks_never_ask_pydicom_to_download():
     """``get_testdata_file(s)`` without ``download=False`` tries the network and hangs offline."""
     import ast
 
-    root = Path(__file__).parents[2]
+    root = Path(__file__).parents[3]
     offending = []
     for path in sorted([*root.glob("tests/*.py"), *root.glob("benchmarks/*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

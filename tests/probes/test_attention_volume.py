@@ -11,8 +11,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.analysis.test_attention_geometry import shifted_window_partners
-from tests.probes.volume_runs import make_volume_run
+from tests.helpers.models import shifted_window_partners
+from tests.helpers.volumes import make_volume_run
 from vitlab import models
 from vitlab.probes import main
 from vitlab.probes.loading import load_model

@@ -1,33 +1,20 @@
 """Dense targets: masks, instances and boxes move with the image; layouts (manifest, masks/ tree, COCO JSON); bad pairs."""
 
-import csv
 import json
 import warnings
 
 import albumentations as A
 import numpy as np
 import pytest
-from PIL import Image
 
+from tests.helpers.data import planted, write_manifest
 from vitlab.data.datasets.targets import DenseDataset, dense_collate
 from vitlab.data.masks import MaskError, boxes_of, instances
 from vitlab.data.datamodule import DenseDataModule
 from vitlab.data import ImageReadError
-from vitlab.data.layouts import Sample, SkippedFileWarning
+from vitlab.data.layouts import SkippedFileWarning
 
 NORM = A.Normalize(mean=(0.0,), std=(1.0,), max_pixel_value=1.0)
-
-
-def planted(tmp_path, name, squares, size=48, mask_size=None, value=1):
-    """A PNG image with bright squares (y0, x0, side) and its label map."""
-    image = np.full((size, size), 20, np.uint8)
-    mask = np.zeros((mask_size or size,) * 2, np.uint8)
-    for y0, x0, side in squares:
-        image[y0 : y0 + side, x0 : x0 + side] = 230
-        mask[y0 : y0 + side, x0 : x0 + side] = value
-    Image.fromarray(image).save(tmp_path / f"{name}.png")
-    Image.fromarray(mask).save(tmp_path / f"{name}_mask.png")
-    return Sample(tmp_path / f"{name}.png", "a", "p", "train", tmp_path / f"{name}_mask.png")
 
 
 def item(sample, *transforms, on_bad_file="error", num_classes=1):
@@ -98,12 +85,6 @@ def test_bad_pair_names_both_files_or_is_skipped(tmp_path, case):
     with pytest.warns(SkippedFileWarning, match="b_mask.png"):
         _, target = ds[0]  # the bad pair is skipped: the next one comes back
     assert target["boxes"].tolist() == [[4, 4, 10, 10]]
-
-
-def write_manifest(path, rows, header=("path", "label", "patient_id", "mask")):
-    with open(path, "w", newline="") as f:
-        csv.writer(f).writerows([header, *rows])
-    return path
 
 
 def test_manifest_with_masks_and_skip_of_bad_pairs(tmp_path):

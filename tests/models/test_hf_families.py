@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.models.test_anatomy import _attention_by_hand, _window_attention_by_hand  # noqa: E402
+from tests.helpers.models import HF_TINY, HF_VARIANTS, PLAIN, attention_by_hand, images, tiny_hf, window_attention_by_hand  # noqa: E402
 from vitlab.models import (  # noqa: E402
     ablate,
     ablated,
@@ -25,37 +25,16 @@ from vitlab.models import (  # noqa: E402
 )
 from vitlab.models.testing import randomize_parameters  # noqa: E402
 
-SIZE = 32
-PLAIN = dict(image_size=SIZE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
-HF_TINY = {
-    "vit": ("hf:vit", dict(PLAIN, intermediate_size=64)),
-    "dinov2": ("hf:dinov2", dict(PLAIN, mlp_ratio=2)),
-    "dinov2-registers": ("hf:dinov2_with_registers", dict(PLAIN, mlp_ratio=2, num_register_tokens=2)),
-    "swin": ("hf:swin", dict(image_size=SIZE, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[1, 2],
-                             window_size=4)),
-}
 FAMILY = {"vit": "hf-vit", "dinov2": "hf-dinov2", "dinov2-registers": "hf-dinov2", "swin": "hf-swin"}
-VARIANTS = sorted(HF_TINY)
-
-
-def tiny_hf(variant, num_classes=3, in_chans=3, seed=0):
-    from vitlab.models import build_model
-
-    name, kwargs = HF_TINY[variant]
-    return randomize_parameters(build_model(name, num_classes, in_chans=in_chans, **kwargs), seed).eval()
-
-
-def _images(batch=2, in_chans=3, seed=1, size=SIZE):
-    return torch.randn(batch, in_chans, size, size, generator=torch.Generator().manual_seed(seed))
 
 
 # the library's own sub-layers, written directly against transformers modules: norm1, branch1(h), norm2,
-# branch2(h); Swin's attention branch is the independent window re-implementation of test_models_anatomy
+# branch2(h); Swin's attention branch is the independent window re-implementation of tests/helpers/models.py
 def _swin_branch(model, view):
     weights, proj = qkv(model)[view.name], out_proj(model)[view.name]
 
     def branch(block, h):  # h (B, H*W, C)
-        out, _, _ = _window_attention_by_hand(h.unflatten(1, view.grid), weights, proj, view)
+        out, _, _ = window_attention_by_hand(h.unflatten(1, view.grid), weights, proj, view)
         return out.flatten(1, 2)
     return branch
 
@@ -81,13 +60,13 @@ def _block_input(view, batch=2):
     return torch.randn(batch, tokens, view.dim, generator=torch.Generator().manual_seed(7))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HF_VARIANTS)
 def test_attention_recomputed_from_qkv_views(variant):
     model = tiny_hf(variant)
     assert family_name(model) == FAMILY[variant]
     weights, projections = qkv(model), out_proj(model)
     with torch.no_grad(), capture(model, ["qkv_input", "attn"]) as record, record_attention(model) as attention:
-        model(_images())
+        model(images())
     if variant == "swin":
         assert any(any(view.shift_size) for view in blocks(model))  # the shift mask is exercised
     for view in blocks(model):
@@ -95,12 +74,12 @@ def test_attention_recomputed_from_qkv_views(variant):
         if view.num_prefix_tokens:
             h = torch.cat([record.prefix[view.name]["qkv_input"], h], dim=1)
         if view.window_size is None:
-            expected, probs = _attention_by_hand(h, weights[view.name], projections[view.name], view.num_heads)
+            expected, probs = attention_by_hand(h, weights[view.name], projections[view.name], view.num_heads)
             expected = expected[:, view.num_prefix_tokens:]
             if variant != "vit":  # DINOv2 LayerScale on the branch
                 expected = expected * view.module.layer_scale1.lambda1
         else:
-            expected, probs, _ = _window_attention_by_hand(h.unflatten(1, view.grid), weights[view.name],
+            expected, probs, _ = window_attention_by_hand(h.unflatten(1, view.grid), weights[view.name],
                                                            projections[view.name], view)
             expected = expected.flatten(1, 2)
         assert torch.allclose(attention.attentions[view.name], probs, atol=1e-5), view.name
@@ -109,10 +88,10 @@ def test_attention_recomputed_from_qkv_views(variant):
         assert torch.allclose(actual, expected, atol=1e-5), (view.name, (actual - expected).abs().max())
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HF_VARIANTS)
 def test_recording_leaves_outputs_and_restores(variant):
     model = tiny_hf(variant)
-    x = _images()
+    x = images()
     configs = [view.module.attention.config for view in blocks(model)]
     hooks = [len(m._forward_hooks) for m in model.modules()]
     with torch.no_grad():
@@ -134,7 +113,7 @@ def test_recording_leaves_outputs_and_restores(variant):
         assert record.grids[view.name] == view.grid
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HF_VARIANTS)
 def test_qkv_views_of_live_projections(variant):
     model = tiny_hf(variant)
     view = blocks(model)[-1]
@@ -160,10 +139,10 @@ SINGLE = {"attention": ["mixer"], "mlp": ["mlp"], "norm1": ["norm1"], "norm2": [
           "residual": ["residual_mixer", "residual_mlp"], "layernorm": ["norm1", "norm2"]}
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HF_VARIANTS)
 def test_ablation_nothing_removed_bit_identical_and_formula(variant):
     model = tiny_hf(variant)
-    x = _images()
+    x = images()
     with torch.no_grad():
         plain = model(x)
         ablate(model, [])
@@ -194,10 +173,10 @@ def test_ablation_nothing_removed_bit_identical_and_formula(variant):
         assert "forward" not in view.module.__dict__
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HF_VARIANTS)
 def test_capture_and_forward_until_match_library(variant):
     model = tiny_hf(variant)
-    x = _images()
+    x = images()
     views = blocks(model)
     inputs, outputs, handles = {}, {}, []
     for view in views:
@@ -256,7 +235,7 @@ def test_swin_padded_windows_recomputed_by_hand():
     model = randomize_parameters(build_model(name, 3, **dict(kwargs, image_size=40))).eval()
     weights, projections = qkv(model), out_proj(model)
     with torch.no_grad(), capture(model, ["qkv_input", "attn"]) as record, record_attention(model) as attention:
-        model(_images(size=40))
+        model(images(size=40))
     views = blocks(model)
     assert [view.grid for view in views] == [(10, 10), (10, 10), (5, 5), (5, 5)]
     for view in views:
@@ -264,7 +243,7 @@ def test_swin_padded_windows_recomputed_by_hand():
         padded_h, padded_w = -(-height // 4) * 4, -(-width // 4) * 4
         h = record[view.name, "qkv_input"].unflatten(1, (height, width))
         h = torch.nn.functional.pad(h, (0, 0, 0, padded_w - width, 0, padded_h - height))
-        expected, probs, _ = _window_attention_by_hand(h, weights[view.name], projections[view.name], view)
+        expected, probs, _ = window_attention_by_hand(h, weights[view.name], projections[view.name], view)
         assert torch.allclose(attention.attentions[view.name], probs, atol=1e-5), view.name
         expected = expected[:, :height, :width].flatten(1, 2)
         assert torch.allclose(record[view.name, "attn"], expected, atol=1e-5), view.name
@@ -295,7 +274,7 @@ def test_bare_library_models_open_too():
         from vitlab.models import part_prefixes
 
         assert list(part_prefixes(model, "head")) == head
-        x = _images()
+        x = images()
         with torch.no_grad(), record_attention(model) as record:
             model(x)
         assert record.attentions[view.name].shape == (2, 2, 17, 17)
