@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training.test_classification import events, tiny_args
+from tests.helpers.runs import events, tiny_args
 from vitlab.cli import fit
 from vitlab.outputs.tensorboard import checkpoint_logging_step, logging_step
 
