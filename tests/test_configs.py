@@ -33,6 +33,7 @@ def test_config_parses(config, capsys):
     assert "model_name" in printed and "trainer" in printed
 
 
+@pytest.mark.slow  # (the whole grid through the train parser)
 @pytest.mark.parametrize("study", STUDIES, ids=lambda c: c.stem)
 def test_study_file_plans_over_the_quickstart(study, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -138,6 +138,7 @@ print(probe, kept, grown())
 """
 
 
+@pytest.mark.slow  # (a child process: the allocator is set once per process)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, /proc")
 def test_a_process_prepared_as_probe_py_returns_freed_memory_and_a_3d_training_keeps_it():
     """The resident size after a 128 MB tensor is freed: back where it was in a process prepared as ``probe.py``

@@ -59,7 +59,7 @@ def oracle_dice(model, volumes, masks, window) -> float:
     return float(metric.compute().reshape(-1)[0])
 
 
-@pytest.mark.parametrize("family", ["swin_unetr", "unetr"])
+@pytest.mark.parametrize("family", ["swin_unetr", pytest.param("unetr", marks=pytest.mark.slow)])
 def test_ablate_a_3d_segmenter_gives_the_dice_of_each_class(tmp_path, family, capsys):
     run = make_volume_run(tmp_path, family)
     out = tmp_path / "out"

@@ -62,7 +62,7 @@ def events(out):
 BLOCKS = {"swin_unetr": ["--blocks", "0", "3", "5"], "unetr": ["--blocks", "0", "11"], "vit3d": []}
 
 
-@pytest.mark.parametrize("family", [pytest.param("swin_unetr", marks=pytest.mark.slow), "unetr", "vit3d"])
+@pytest.mark.parametrize("family", [pytest.param("swin_unetr", marks=pytest.mark.slow), pytest.param("unetr", marks=pytest.mark.slow), "vit3d"])
 def test_attention_probe_on_volumes(root, runs, family):
     run = runs(family)
     out = root / f"out_{family}"

@@ -23,7 +23,7 @@ def namespace(**kwargs):
     return argparse.Namespace(**{**base, **kwargs})
 
 
-@pytest.mark.parametrize("family", ["swin_unetr", "unetr", "vit3d"])
+@pytest.mark.parametrize("family", ["swin_unetr", pytest.param("unetr", marks=pytest.mark.slow), "vit3d"])
 def test_volume_stream_gives_the_training_volumes_of_a_run(tmp_path, family):
     run = make_volume_run(tmp_path, family)
     args = namespace(checkpoint=run.checkpoint, num_images=2)

@@ -150,6 +150,7 @@ def slurm(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow  # (the train parser once per cell, twice)
 def test_slurm_job_array_script_and_a_rerun_that_leaves_queued_jobs_alone(tiny, slurm, tmp_path, capsys):
     argv = [*tiny, "--study", "seeds=0,1,2", "ablate=none,mlp", "--study.launcher", "slurm", "--study.partition", "gpu",
             "--study.account", "proj7", "--study.time", "90", "--study.gpus_per_run", "2", "--study.parallel", "2",
