@@ -41,36 +41,43 @@ MODEL = {"model_name": "vit_tiny_patch16_224",
          "model_kwargs": {"img_size": 16, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 1, "drop_path_rate": 0.0}}
 BATCH = 2
 
-BARE = r"""
-import json, statistics, sys, time
+BARE_LOOP = r"""
+def bare_median(model, model_cfg, batch, steps, warmup):
+    # median seconds of forward + backward + AdamW (the same parameter groups) on one random batch in memory
+    import statistics, time
+    import torch
+    from vitlab.models import parameter_groups
+    opt = torch.optim.AdamW(parameter_groups(model, weight_decay=0.05, layer_decay=model_cfg.get("layer_decay")), lr=1e-3)
+    x, y = torch.randn(batch, 1, 16, 16), torch.randint(0, 2, (batch,))
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+"""
+
+BARE = BARE_LOOP + r"""
+import json, sys
 from vitlab.runtime import prepare_process
 prepare_process()
 import torch
 torch.set_num_threads(int(sys.argv[2]))
-from vitlab.models import build_model, parameter_groups
+from vitlab.models import build_model
 model_cfg = json.loads(sys.argv[3])
 torch.manual_seed(0)
 model = build_model(model_cfg["model_name"], num_classes=2, in_chans=1, **model_cfg["model_kwargs"])
-groups = parameter_groups(model, weight_decay=0.05, layer_decay=model_cfg.get("layer_decay"))
-opt = torch.optim.AdamW(groups, lr=1e-3)
-x = torch.randn(int(sys.argv[4]), 1, 16, 16)
-y = torch.randint(0, 2, (int(sys.argv[4]),))
-def step():
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-for _ in range(20):
-    step()
-times = []
-for _ in range(int(sys.argv[1])):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-print("RESULT " + json.dumps({"step_s": statistics.median(times)}))
+print("RESULT " + json.dumps({"step_s": bare_median(model, model_cfg, int(sys.argv[4]), int(sys.argv[1]), 20)}))
 """
 
-FIT = r"""
+FIT = BARE_LOOP + r"""
 import collections, functools, json, statistics, sys, time
 from vitlab.runtime import prepare_process
 prepare_process()
@@ -124,29 +131,13 @@ timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
 cycles = [b - a for a, b in zip(timer.starts, timer.starts[1:])][5:]
 
 # the bare loop again in this process, right after the fit (same interpreter, threads, allocator and load)
-import torch
-from vitlab.models import parameter_groups
-model_cfg = json.loads(os.environ["BENCH_MODEL"])
-net = cli.model.model.train()
-opt = torch.optim.AdamW(parameter_groups(net, weight_decay=0.05, layer_decay=model_cfg.get("layer_decay")), lr=1e-3)
-x, y = torch.randn(int(os.environ["BENCH_BATCH"]), 1, 16, 16), torch.randint(0, 2, (int(os.environ["BENCH_BATCH"]),))
-def bare_step():
-    loss = torch.nn.functional.cross_entropy(net(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-for _ in range(10):
-    bare_step()
-bare_times = []
-for _ in range(len(cycles)):
-    start = time.perf_counter()
-    bare_step()
-    bare_times.append(time.perf_counter() - start)
+bare_same = bare_median(cli.model.model.train(), json.loads(os.environ["BENCH_MODEL"]), int(os.environ["BENCH_BATCH"]),
+                        len(cycles), 10)
 steps_per_epoch = len(timer.starts)
 fetch = fetch_times[steps_per_epoch + 5 : 2 * steps_per_epoch]  # the second epoch's fetches
 print("RESULT " + json.dumps({"step_s": statistics.median(cycles), "inside_s": statistics.median(timer.inside[5:]),
                               "fetch_s": statistics.median(fetch), "steps": len(cycles),
-                              "bare_same_process_s": statistics.median(bare_times)}))
+                              "bare_same_process_s": bare_same}))
 """
 
 
