@@ -116,7 +116,7 @@ def _holds(value: float, claim: dict) -> bool:
 
 
 def test_study_killed_in_the_middle_of_a_cell_resumes_without_training_anything_twice(tiny_dataset, here):
-    args = [*tiny_args(tiny_dataset, here / "runs", epochs=3), "--study", "seeds=0,1", "ablate=none,attention"]
+    args = [*tiny_args(tiny_dataset, here / "runs", epochs=2), "--study", "seeds=0,1", "ablate=none,attention"]
     folder = StudyFolder(here / "runs" / "tiny-ablate-seed")
     victim = "ablate-attention_seed-0"  # the second cell
     code = "import sys; from vitlab.cli import train_main; train_main(sys.argv[1:])"
@@ -150,8 +150,8 @@ def test_study_killed_in_the_middle_of_a_cell_resumes_without_training_anything_
         assert {k.split(" ")[0] for k in points} == {k.split(" ")[0] for k in reference}, name
         for tag, steps in points.items():  # (Lightning logs "epoch" beside each metric: several points a step there too)
             assert steps == reference[tag] if tag in reference else steps == sorted(set(steps)), (name, tag)
-        assert points["scalars:val/balanced_acc"] == sorted(set(points["scalars:val/balanced_acc"])) and len(points["scalars:val/balanced_acc"]) == 3
-        assert len(list((folder.run_path(name) / "qkv").glob("epoch_*.safetensors"))) == 4
+        assert points["scalars:val/balanced_acc"] == sorted(set(points["scalars:val/balanced_acc"])) and len(points["scalars:val/balanced_acc"]) == 2
+        assert len(list((folder.run_path(name) / "qkv").glob("epoch_*.safetensors"))) == 3
 
 
 def test_the_grid_runs_through_submitits_local_executor(tiny_dataset, here):
