@@ -1,7 +1,8 @@
 """vitlab on one GPU against a bare bf16 loop of the same model, side by side on the same machine.
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
-                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic] [--out DIR]
+                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread]
+                                   [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
 
 What it runs (about 5 minutes on one H100 / H200):
@@ -17,15 +18,17 @@ What it runs (about 5 minutes on one H100 / H200):
    batch 64 from ``configs/medical_vit.yaml`` (random init, bf16-mixed), SwinUNETR feature size 48 on random
    96^3 patches with batch 2 from ``configs/medical_swinunetr.yaml`` (bf16-mixed), ``runtime: auto``, for
    ``--epochs`` epochs; the first is the warm-up and is left out. Per epoch, with the GPU synchronised at the
-   epoch's edges only: images/s of the training steps (first batch start to last batch end), whole-epoch images/s
-   (epoch start to the next epoch start: validation, callbacks and checkpoints included), the training loop's
+   epoch's edges only: images/s of the training steps (first batch start to last batch end, before the epoch's
+   validation), whole-epoch images/s (epoch start to the next epoch start: validation, callbacks and checkpoints
+   included) and the epoch's seconds split into steps, validation and the rest, the training loop's
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
    start, the seconds the epoch's checkpoints take, and the peak GPU memory.
 4. **Variants** (``--variants``): ``memdata`` the same ViT run fed four training batches made once and kept in
    pinned memory (no loader: the difference is the loader's share of the step); ``nocallbacks`` the same ViT run without the Q/K/V callbacks (the difference in
    epoch time is their whole cost, the GPU's share included); ``gpuspectra`` with the QK spectra's eigenproblems
    solved on the GPU (``QKSpectra(device="weights")``) instead of the host's cores; ``compile`` with ``model.compile: true``;
-   ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``.
+   ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``; ``onethread`` the ViT run with
+   ``runtime.threads: 1`` (the Q/K/V spectra's host work on one core, leaving the others to the loader).
 
 It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
@@ -113,6 +116,17 @@ class EpochTimer(pl.Callback):
             self.prof.__exit__(None, None, None)
             write_profile(self.prof, batch_idx - self.prof_first + 1)
             self.prof = None
+        if batch_idx + 1 >= trainer.num_training_batches:  # the last step's end (the epoch's validation runs next)
+            sync()
+            self.current["last"] = time.perf_counter()
+    def on_validation_start(self, trainer, pl_module):
+        if self.current is not None and not trainer.sanity_checking:
+            sync()
+            self.current["val_start"] = time.perf_counter()
+    def on_validation_end(self, trainer, pl_module):
+        if self.current is not None and "val_start" in self.current:
+            sync()
+            self.current["val_s"] = time.perf_counter() - self.current.pop("val_start")
     def on_train_epoch_start(self, trainer, pl_module):
         sync()
         now = time.perf_counter()
@@ -134,9 +148,6 @@ class EpochTimer(pl.Callback):
             sync()
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
-    def on_train_epoch_end(self, trainer, pl_module):  # (first of the epoch-end hooks: this callback is listed first)
-        sync()
-        self.current["last"] = time.perf_counter()
     def on_fit_end(self, trainer, pl_module):
         sync()
         if self.current is not None:
@@ -190,6 +201,7 @@ for epoch in timer.epochs:
     end = epoch["start"] + epoch["epoch_s"]
     inside = lambda key: [s for t, s in spans[key] if epoch["start"] <= t <= end]
     out.append({"images": epoch["images"], "steps": epoch["steps"], "train_s": epoch["last"] - epoch["first"],
+                "val_s": epoch.get("val_s", 0.0),
                 "epoch_s": epoch["epoch_s"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
                 "ckpt_io_s": sum(inside("ckpt_io"))})
@@ -330,6 +342,8 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
         args += ["--model.compile", "true"]
     if variant == "nondeterministic":
         args += ["--trainer.deterministic", "false"]
+    if variant == "onethread":  # the host's share of the Q/K/V work (spectra) on one core instead of runtime: auto's
+        args += ["--runtime.threads", "1"]
     callbacks = [{"class_path": "__main__.EpochTimer"}]  # (first: its epoch-end hook runs before the others')
     if variant != "nocallbacks":
         callbacks += [{"class_path": f"vitlab.callbacks.{name}"} for name in ("QKVSnapshot", "QKVDrift", "QKSpectra")]
@@ -363,7 +377,8 @@ def summarise(run: dict) -> dict[str, float]:
     train_s, epoch_s = sum(e["train_s"] for e in epochs), sum(e["epoch_s"] for e in epochs)
     return {"train_ips": images / train_s, "epoch_ips": images / epoch_s, "epoch_s": epoch_s / len(epochs),
             "images_per_epoch": images / len(epochs), "fetch_ms_per_step": 1e3 * sum(e["fetch_s"] for e in epochs) / steps,
-            "step_ms": 1e3 * train_s / steps, "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
+            "step_ms": 1e3 * train_s / steps, "val_s": sum(e.get("val_s", 0.0) for e in epochs) / len(epochs),
+            "train_s": train_s / len(epochs), "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
             "checkpoints_s_per_epoch": sum(e["checkpoints_s"] for e in epochs) / len(epochs),
             "ckpt_dump_s_per_epoch": sum(e.get("ckpt_dump_s", 0.0) for e in epochs) / len(epochs),
             "ckpt_io_s_per_epoch": sum(e.get("ckpt_io_s", 0.0) for e in epochs) / len(epochs),
@@ -378,7 +393,8 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=5120, help="ViT training slices (a quarter more for validation)")
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
     parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
-                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"], help="runs beside the default ones")
+                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread"],
+                        help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
     args = parser.parse_args()
@@ -437,7 +453,9 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
             f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch "
             f"(state {run.get('ckpt_dump_s_per_epoch', 0):5.3f} s, hand-over {run.get('ckpt_io_s_per_epoch', 0):5.3f} s); "
-            f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB")
+            f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB; epoch {run['epoch_s']:.2f} s = "
+            f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} + the rest "
+            f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s")
 
 
 def report(results: dict, args) -> None:

@@ -175,15 +175,25 @@ def _workers(workers: Any, accelerator: Any) -> int:
 
 
 def _progress_bar_at_log_steps(trainer) -> None:
-    """Lightning's default progress bar redraws every step, reading the logged loss off the device each time: on a
-    GPU that waits for the step to finish before the next one is launched. The default bar is replaced by one that
-    redraws every ``log_every_n_steps`` steps (when the loss is read for the logger anyway); the caller keeps a
-    progress bar the config names."""
-    from pytorch_lightning.callbacks import TQDMProgressBar
+    """Lightning's default progress bar reads the logged loss off the device after every step: on a GPU the host
+    waits there for the step to finish before it launches the next one. The default bar is replaced by one that reads
+    it every ``log_every_n_steps`` steps (when the logger reads it anyway): Rich's by
+    :class:`~vitlab.callbacks.LogStepProgressBar`, tqdm's by one that redraws at those steps. A bar the config names
+    is kept as it is."""
+    from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
+
+    from vitlab.callbacks import LogStepProgressBar
 
     bar = trainer.progress_bar_callback
-    if type(bar) is TQDMProgressBar and bar.refresh_rate == 1 and trainer.log_every_n_steps > 1:
-        trainer.callbacks[trainer.callbacks.index(bar)] = TQDMProgressBar(refresh_rate=trainer.log_every_n_steps)
+    if trainer.log_every_n_steps <= 1 or bar is None:
+        return
+    if type(bar) is RichProgressBar:
+        replacement = LogStepProgressBar()
+    elif type(bar) is TQDMProgressBar and bar.refresh_rate == 1:
+        replacement = TQDMProgressBar(refresh_rate=trainer.log_every_n_steps)
+    else:
+        return
+    trainer.callbacks[trainer.callbacks.index(bar)] = replacement
 
 
 def _trainer_defaults() -> dict[str, Any]:

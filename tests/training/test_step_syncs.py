@@ -152,3 +152,72 @@ def test_classification_steps_on_cuda_run_under_sync_debug_error(tiny_dataset, t
     args = tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=["--trainer.accelerator", "gpu"])
     cli = fit(_first(args, COUNTER, cuda_error=True))
     assert _counter(cli).steps >= 4
+
+
+class ReadsBetweenSteps(pl.Callback):
+    """Counts the values read off the device (``Tensor.item`` / ``__float__`` / ``tolist``) by Lightning's loop, its
+    logger, the progress bar and vitlab during each training batch (from its ``on_train_batch_start`` to the next
+    one's: the later callbacks' batch-end hooks included); AdamW's reads of its own step counters, which stay on the
+    host, are left out."""
+
+    def __init__(self) -> None:
+        self.reads: dict[int, list[str]] = {}
+        self.batch: int | None = None
+        self._saved: list[tuple[str, object]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        reads, owner = self.reads, self
+        for name in ("item", "__float__", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(*args, _original=original, _name=name, **kwargs):
+                if owner.batch is not None:
+                    stack = traceback.extract_stack()[:-1]
+                    if not any(f"{os.sep}torch{os.sep}optim{os.sep}" in f.filename for f in stack):
+                        where = next((f for f in reversed(stack) if "pytorch_lightning" in f.filename or f.filename.startswith(VITLAB_DIR)), stack[-1])
+                        reads.setdefault(owner.batch, []).append(f"{_name} from {Path(where.filename).name}:{where.lineno}")
+                return _original(*args, **kwargs)
+
+            self._saved.append((name, original))
+            setattr(torch.Tensor, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch = batch_idx
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.batch = None
+
+    def on_train_end(self, trainer, pl_module):
+        while self._saved:
+            name, original = self._saved.pop()
+            setattr(torch.Tensor, name, original)
+
+    on_exception = lambda self, trainer, pl_module, exception: self.on_train_end(trainer, pl_module)  # noqa: E731
+
+
+@pytest.mark.parametrize("bar", ["default", "tqdm"])
+def test_the_training_loop_reads_the_device_only_at_logging_steps(tiny_dataset, tmp_path, bar):
+    """With the progress bar train.py shows by default (Rich's, tqdm's where the config picks Lightning's tqdm bar),
+    the logged loss is read off the device at the logging steps and the epoch's last batch only, not after every
+    step (which would keep a GPU waiting for the host every step)."""
+    from tests.helpers.runs import tiny_args
+
+    extra = ["--trainer.limit_train_batches", "7", "--data.batch_size", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "true",
+             "--trainer.log_every_n_steps", "3"]
+    args = _first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=extra), f"{__name__}.ReadsBetweenSteps")
+    if bar == "tqdm":
+        import yaml
+
+        cfg = yaml.safe_load(Path(args[1]).read_text())
+        cfg["trainer"]["callbacks"].append({"class_path": "pytorch_lightning.callbacks.TQDMProgressBar"})
+        Path(args[1]).write_text(yaml.safe_dump(cfg))
+    cli = fit(args)
+    reads = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ReadsBetweenSteps)).reads
+    bars = [type(cb).__name__ for cb in cli.trainer.callbacks if "ProgressBar" in type(cb).__name__]
+    assert bars == (["LogStepProgressBar"] if bar == "default" else ["TQDMProgressBar"])
+    quiet = [b for b in range(7) if (b + 1) % 3 and b != 0 and b != 6]  # (the bar reads once at the first batch)
+    assert {b: reads[b] for b in quiet if b in reads} == {}
+    assert reads.get(2) and reads.get(5)  # the counter is live: the logging steps read the loss
+    if bar == "default":  # and the bar shows it (read at those steps)
+        shown = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "LogStepProgressBar")._shown
+        assert isinstance(shown.get("train/loss"), float), shown

@@ -3,8 +3,9 @@ and the one that runs the run-time machinery (``train.py`` adds it). What they s
 :mod:`vitlab.qkv`, importable without Lightning."""
 
 from vitlab.callbacks.drift import QKVDrift
+from vitlab.callbacks.progress import LogStepProgressBar
 from vitlab.callbacks.runtime import RuntimeCallback
 from vitlab.callbacks.snapshot import QKVSnapshot
 from vitlab.callbacks.spectra import QKSpectra
 
-__all__ = ["QKVDrift", "QKVSnapshot", "QKSpectra", "RuntimeCallback"]
+__all__ = ["LogStepProgressBar", "QKVDrift", "QKVSnapshot", "QKSpectra", "RuntimeCallback"]

@@ -103,7 +103,9 @@ class ClassificationModule(TaskModule):
                                label_smoothing=self.hparams.label_smoothing if train else 0.0)
         self.outputs[stage].append(logits.detach().float().softmax(dim=-1), labels)  # (B, K), (B,)
         on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, prog_bar=True, batch_size=len(labels), sync_dist=not on_step)
+        # (not prog_bar: Lightning reads such values off the device after every batch; vitlab.callbacks.LogStepProgressBar
+        # shows the loss at the logging steps)
+        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, batch_size=len(labels), sync_dist=not on_step)
         return loss
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:

@@ -123,7 +123,7 @@ class SegmentationModule(TaskModule):
         images, targets = batch
         mask = torch.stack([t["mask"] for t in targets])  # (B, H, W)
         loss = self._loss(self(images), mask)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(images))
+        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(images))
         return loss
 
     def update_metrics(self, stage: str, logits: torch.Tensor, mask: torch.Tensor) -> None:
