@@ -52,7 +52,7 @@ def _check(estimate: dict, values: dict[str, float]) -> None:
 
 
 def test_grid_runs_two_at_a_time_and_its_claims_are_recomputable(tiny_dataset, here, capsys):
-    argv = [*tiny_args(tiny_dataset, here / "runs", epochs=2), "--study", "seeds=0,1,2", "ablate=none,attention",
+    argv = [*tiny_args(tiny_dataset, here / "runs", epochs=1), "--study", "seeds=0,1,2", "ablate=none,attention",
             "--study.parallel", "2"]
     train_main(argv)
     folder = StudyFolder(here / "runs" / "tiny-ablate-seed")

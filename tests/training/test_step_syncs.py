@@ -195,7 +195,7 @@ class ReadsBetweenSteps(pl.Callback):
     on_exception = lambda self, trainer, pl_module, exception: self.on_train_end(trainer, pl_module)  # noqa: E731
 
 
-@pytest.mark.parametrize("bar", ["default", "tqdm"])
+@pytest.mark.parametrize("bar", ["default", pytest.param("tqdm", marks=pytest.mark.slow), pytest.param("named", marks=pytest.mark.slow)])
 def test_the_training_loop_reads_the_device_only_at_logging_steps(tiny_dataset, tmp_path, bar):
     """With the progress bar train.py shows by default (Rich's, tqdm's where the config picks Lightning's tqdm bar),
     the logged loss is read off the device at the logging steps and the epoch's last batch only, not after every
@@ -205,19 +205,22 @@ def test_the_training_loop_reads_the_device_only_at_logging_steps(tiny_dataset, 
     extra = ["--trainer.limit_train_batches", "7", "--data.batch_size", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "true",
              "--trainer.log_every_n_steps", "3"]
     args = _first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=extra), f"{__name__}.ReadsBetweenSteps")
-    if bar == "tqdm":
+    if bar != "default":  # a bar the config names is kept as it is
         import yaml
 
         cfg = yaml.safe_load(Path(args[1]).read_text())
-        cfg["trainer"]["callbacks"].append({"class_path": "pytorch_lightning.callbacks.TQDMProgressBar"})
+        cfg["trainer"]["callbacks"].append({"class_path": "pytorch_lightning.callbacks.TQDMProgressBar"} if bar == "tqdm" else
+                                           {"class_path": "vitlab.callbacks.LogStepProgressBar", "init_args": {"refresh_rate": 5}})
         Path(args[1]).write_text(yaml.safe_dump(cfg))
     cli = fit(args)
     reads = next(cb for cb in cli.trainer.callbacks if isinstance(cb, ReadsBetweenSteps)).reads
     bars = [type(cb).__name__ for cb in cli.trainer.callbacks if "ProgressBar" in type(cb).__name__]
-    assert bars == (["LogStepProgressBar"] if bar == "default" else ["TQDMProgressBar"])
+    assert bars == (["TQDMProgressBar"] if bar == "tqdm" else ["LogStepProgressBar"])
+    if bar == "named":
+        assert next(cb for cb in cli.trainer.callbacks if "ProgressBar" in type(cb).__name__).refresh_rate == 5
     quiet = [b for b in range(7) if (b + 1) % 3 and b != 0 and b != 6]  # (the bar reads once at the first batch)
     assert {b: reads[b] for b in quiet if b in reads} == {}
     assert reads.get(2) and reads.get(5)  # the counter is live: the logging steps read the loss
-    if bar == "default":  # and the bar shows it (read at those steps)
+    if bar != "tqdm":  # and the bar shows it (read at those steps)
         shown = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "LogStepProgressBar")._shown
         assert isinstance(shown.get("train/loss"), float), shown

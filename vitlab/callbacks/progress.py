@@ -23,17 +23,21 @@ class LogStepProgressBar(RichProgressBar):
 
     Args:
         refresh_rate: Redraws per second, at most (Lightning's default: 100). Rich redraws in a thread of the training
-            process, in Python: each redraw holds the interpreter's lock for about a millisecond, which the training
-            thread, releasing that lock at every torch operation, then waits for; at 100 redraws a second the host
-            side of a step grew by a third (``benchmarks/bench_gpu_ladder.py``).
+            process, in Python: each redraw holds the interpreter's lock, which the training thread, releasing that
+            lock at every torch operation, then waits for (``benchmarks/bench_gpu_ladder.py`` measures the bar's
+            share of a step).
+        leave: Leave the finished epoch's bar on screen (``RichProgressBar``'s).
+        theme: Its ``RichProgressBarTheme`` (None: Lightning's).
+        console_kwargs: Arguments of Rich's ``Console`` (``RichProgressBar``'s).
         metrics: Logged values to show besides those logged with ``prog_bar=True`` (those of them not logged are
             left out).
-        *args, **kwargs: ``RichProgressBar``'s (``refresh_rate``, ``leave``, ``theme`` ...).
     """
 
-    def __init__(self, refresh_rate: int = 2, *args: Any, metrics: tuple[str, ...] | list[str] = ("train/loss", "val/loss"),
-                 **kwargs: Any) -> None:
-        super().__init__(refresh_rate, *args, **kwargs)
+    def __init__(self, refresh_rate: int = 2, leave: bool = False, theme: Any = None,
+                 console_kwargs: dict[str, Any] | None = None,
+                 metrics: tuple[str, ...] | list[str] = ("train/loss", "val/loss")) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave, console_kwargs=console_kwargs,
+                         **({"theme": theme} if theme is not None else {}))
         self.metrics = tuple(metrics)
         self._read_now = True
         self._shown: dict[str, Any] | None = None
