@@ -44,6 +44,7 @@ import csv
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,14 +88,14 @@ def sync():
         torch.cuda.synchronize()
 
 import os
-PROFILE = os.environ.get("BENCH_PROFILE")  # a file for torch.profiler's tables of steps 20..24 of the warm-up epoch
+PROFILE = os.environ.get("BENCH_PROFILE")  # a file for torch.profiler's tables of 5 steps in the middle of the second epoch
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy",
             "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::to", "aten::copy_", "Optimizer.step")
 
 def write_profile(prof, steps):
     cuda = torch.cuda.is_available()
     averages = prof.key_averages()
-    lines = [f"torch.profiler over {steps} training steps of the first epoch ({'CUDA' if cuda else 'CPU'})", "",
+    lines = [f"torch.profiler over {steps} training steps in the middle of the second epoch ({'CUDA' if cuda else 'CPU'})", "",
              "calls per step of the ops that synchronise or copy between host and device:"]
     for event in averages:
         if event.key in SYNC_OPS:
@@ -126,21 +127,24 @@ class EpochTimer(pl.Callback):
     def on_validation_end(self, trainer, pl_module):
         if self.current is not None and "val_start" in self.current:
             sync()
-            self.current["val_s"] = time.perf_counter() - self.current.pop("val_start")
+            self.current["val_end"] = time.perf_counter()
+            self.current["val_s"] = self.current["val_end"] - self.current.pop("val_start")
     def on_train_epoch_start(self, trainer, pl_module):
         sync()
         now = time.perf_counter()
         if self.current is not None:
             self.current["epoch_s"] = now - self.current["start"]
             self.epochs.append(self.current)
-        self.current = {"start": now, "images": 0, "steps": 0, "first": None, "last": None}
+        self.current = {"start": now, "images": 0, "steps": 0, "first": None, "last": None, "marks": []}
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.current["first"] is None:
             sync()
             self.current["first"] = time.perf_counter()
+        self.current["marks"].append(time.perf_counter())  # (host clock, no sync: the spread of the steps)
         self.current["images"] += len(batch[0])
         self.current["steps"] += 1
-        if PROFILE and trainer.current_epoch == 0 and batch_idx == max(1, min(self.prof_first, trainer.num_training_batches - 5)):
+        # (the middle of the second epoch: past the work that the fit's start and the first epoch's end leave to threads)
+        if PROFILE and trainer.current_epoch == min(1, trainer.max_epochs - 1) and batch_idx == max(1, trainer.num_training_batches // 2 - 2):
             self.prof_first = batch_idx
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
@@ -200,8 +204,10 @@ out = []
 for epoch in timer.epochs:
     end = epoch["start"] + epoch["epoch_s"]
     inside = lambda key: [s for t, s in spans[key] if epoch["start"] <= t <= end]
+    gaps = sorted(b - a for a, b in zip(epoch["marks"], epoch["marks"][1:])) or [0.0]
     out.append({"images": epoch["images"], "steps": epoch["steps"], "train_s": epoch["last"] - epoch["first"],
-                "val_s": epoch.get("val_s", 0.0),
+                "val_s": epoch.get("val_s", 0.0), "median_step_s": gaps[len(gaps) // 2], "p90_step_s": gaps[int(0.9 * (len(gaps) - 1))],
+                "to_first_s": epoch["first"] - epoch["start"], "after_val_s": end - epoch.get("val_end", epoch["last"]),
                 "epoch_s": epoch["epoch_s"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
                 "ckpt_io_s": sum(inside("ckpt_io"))})
@@ -378,7 +384,10 @@ def summarise(run: dict) -> dict[str, float]:
     return {"train_ips": images / train_s, "epoch_ips": images / epoch_s, "epoch_s": epoch_s / len(epochs),
             "images_per_epoch": images / len(epochs), "fetch_ms_per_step": 1e3 * sum(e["fetch_s"] for e in epochs) / steps,
             "step_ms": 1e3 * train_s / steps, "val_s": sum(e.get("val_s", 0.0) for e in epochs) / len(epochs),
-            "train_s": train_s / len(epochs), "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
+            "train_s": train_s / len(epochs), "median_step_ms": 1e3 * statistics.median(e.get("median_step_s", 0.0) for e in epochs),
+            "p90_step_ms": 1e3 * statistics.median(e.get("p90_step_s", 0.0) for e in epochs),
+            "to_first_s": sum(e.get("to_first_s", 0.0) for e in epochs) / len(epochs),
+            "after_val_s": sum(e.get("after_val_s", 0.0) for e in epochs) / len(epochs), "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
             "checkpoints_s_per_epoch": sum(e["checkpoints_s"] for e in epochs) / len(epochs),
             "ckpt_dump_s_per_epoch": sum(e.get("ckpt_dump_s", 0.0) for e in epochs) / len(epochs),
             "ckpt_io_s_per_epoch": sum(e.get("ckpt_io_s", 0.0) for e in epochs) / len(epochs),
@@ -455,7 +464,9 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"(state {run.get('ckpt_dump_s_per_epoch', 0):5.3f} s, hand-over {run.get('ckpt_io_s_per_epoch', 0):5.3f} s); "
             f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB; epoch {run['epoch_s']:.2f} s = "
             f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} + the rest "
-            f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s")
+            f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
+            f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); step median {run.get('median_step_ms', 0):.1f} ms, "
+            f"90th percentile {run.get('p90_step_ms', 0):.1f} ms")
 
 
 def report(results: dict, args) -> None:
