@@ -21,7 +21,10 @@ the edges only:
 - ``+ logger, bar``: and the progress bar ``train.py`` shows (:class:`vitlab.callbacks.LogStepProgressBar`), as
   ``train.py`` runs it (without the epoch-end Q/K/V callbacks and checkpoints: ``bench_gpu.py`` measures those);
 - ``+ logger, bar, loss on the bar (before)``: the loss logged with ``prog_bar=True`` and Lightning's Rich bar, as
-  vitlab did before: Lightning reads the loss off the device after every batch.
+  vitlab did before: Lightning reads the loss off the device after every batch;
+- ``+ logger, bar, a Python thread 10 % busy``: beside the steps, a thread that runs plain Python a tenth of the
+  time (as the Q/K/V thread's tables or a progress bar's redraws do): what the interpreter's lock costs the step;
+- ``train.py fit`` (in this process, then in new processes with one setting changed each): see the rungs' names.
 
 For each: images/s, the ratio to ``bare`` and the host's time per step (the training loop's wall time between
 consecutive batch starts; when it equals the step time, the host is what the GPU waits for). ``--profile FILE``
@@ -120,7 +123,7 @@ def bare(size: dict, device: str, steps: int, host_batches: bool = False, groups
 
 
 def lightning(size: dict, device: str, steps: int, module: str, extras: bool, bar: str | None = None,
-              profile: Path | None = None) -> dict:
+              profile: Path | None = None, python_beside: float = 0.0) -> dict:
     import pytorch_lightning as pl
     import torch
     import torch.nn.functional as F
@@ -203,7 +206,25 @@ def lightning(size: dict, device: str, steps: int, module: str, extras: bool, ba
                          max_epochs=1, limit_val_batches=0, enable_checkpointing=False, enable_model_summary=False,
                          callbacks=callbacks, num_sanity_val_steps=0, **kwargs)
     loader = DataLoader(Batches(), batch_size=None, shuffle=False, num_workers=0)
-    trainer.fit(net, loader)
+    stop = None
+    if python_beside:  # a thread running plain Python for that share of the time (the Q/K/V thread's tables, a bar's
+        import threading   # redraws): each torch call of the training thread lets it take the interpreter's lock
+
+        stop = threading.Event()
+
+        def busy() -> None:
+            while not stop.is_set():
+                end = time.perf_counter() + 0.01 * python_beside
+                while time.perf_counter() < end:
+                    pass
+                time.sleep(0.01 * (1.0 - python_beside))
+
+        threading.Thread(target=busy, daemon=True).start()
+    try:
+        trainer.fit(net, loader)
+    finally:
+        if stop is not None:
+            stop.set()
     timed = len(timer.marks)
     out = step_stats(timer.marks, timer.end, size["batch"])
     if profile is not None and timer.profiler is not None:
@@ -363,6 +384,8 @@ def main() -> None:
         ("+ logger", lambda: lightning(size, device, steps, "vitlab", extras=True)),
         ("+ logger, bar", lambda: lightning(size, device, steps, "vitlab", extras=True, bar="vitlab", profile=args.profile)),
         ("+ logger, bar, loss on the bar (before)", lambda: lightning(size, device, steps, "before", extras=True, bar="lightning")),
+        ("+ logger, bar, a Python thread 10 % busy", lambda: lightning(size, device, steps, "vitlab", extras=True, bar="vitlab",
+                                                                        python_beside=0.1)),
         ("train.py fit", lambda: fit(size, device, steps, [])),
         ("train.py fit + Q/K/V callbacks", lambda: fit(size, device, steps, [], qkv=True)),
         # a new process each, as train.py runs (these differ from the rungs above only by the process)
