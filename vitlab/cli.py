@@ -185,11 +185,9 @@ def _progress_bar_at_log_steps(trainer) -> None:
     from vitlab.callbacks import LogStepProgressBar
 
     bar = trainer.progress_bar_callback
-    if trainer.log_every_n_steps <= 1 or bar is None:
-        return
-    if type(bar) is RichProgressBar:
+    if type(bar) is RichProgressBar:  # (also when the logger reads every step: its redraws at 100 a second cost too)
         replacement = LogStepProgressBar()
-    elif type(bar) is TQDMProgressBar and bar.refresh_rate == 1:
+    elif type(bar) is TQDMProgressBar and bar.refresh_rate == 1 and trainer.log_every_n_steps > 1:
         replacement = TQDMProgressBar(refresh_rate=trainer.log_every_n_steps)
     else:
         return
