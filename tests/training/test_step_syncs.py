@@ -192,7 +192,8 @@ class ReadsBetweenSteps(pl.Callback):
             name, original = self._saved.pop()
             setattr(torch.Tensor, name, original)
 
-    on_exception = lambda self, trainer, pl_module, exception: self.on_train_end(trainer, pl_module)  # noqa: E731
+    def on_exception(self, trainer, pl_module, exception):
+        self.on_train_end(trainer, pl_module)
 
 
 @pytest.mark.parametrize("bar", ["default", pytest.param("tqdm", marks=pytest.mark.slow), pytest.param("named", marks=pytest.mark.slow)])
