@@ -26,6 +26,11 @@ the edges only:
   time (as the Q/K/V thread's tables or a progress bar's redraws do): what the interpreter's lock costs the step;
 - ``train.py fit`` (in this process, then in new processes with one setting changed each): see the rungs' names.
 
+Below the table: for the bare loops, the host's own time to launch one step when the GPU is idle (a loop whose
+launch time is close to its step time has no host time to spare: anything added on the host slows it), and for
+each fit its five slowest steps with their batch index (stalls at the logging steps, the 10th, 20th, ... batches,
+or at the start).
+
 For each: images/s, the ratio to ``bare`` and the host's time per step (the training loop's wall time between
 consecutive batch starts; when it equals the step time, the host is what the GPU waits for). ``--profile FILE``
 writes cProfile tables (by own time and by cumulative time) of the ``+ logger, bar`` rung's timed steps.
@@ -119,7 +124,16 @@ def bare(size: dict, device: str, steps: int, host_batches: bool = False, groups
         marks.append(time.perf_counter())
         step(i)
     sync(device)
-    return step_stats(marks, time.perf_counter(), size["batch"])
+    out = step_stats(marks, time.perf_counter(), size["batch"])
+    launches = []  # the host's own time per step: launching one step on an idle GPU (no queue ahead to wait for)
+    for i in range(10):
+        sync(device)
+        begin = time.perf_counter()
+        step(i)
+        launches.append(time.perf_counter() - begin)
+    sync(device)
+    out["launch_ms"] = 1e3 * statistics.median(launches)
+    return out
 
 
 def lightning(size: dict, device: str, steps: int, module: str, extras: bool, bar: str | None = None,
@@ -226,7 +240,7 @@ def lightning(size: dict, device: str, steps: int, module: str, extras: bool, ba
         if stop is not None:
             stop.set()
     timed = len(timer.marks)
-    out = step_stats(timer.marks, timer.end, size["batch"])
+    out = step_stats(timer.marks, timer.end, size["batch"], first=warmup)
     if profile is not None and timer.profiler is not None:
         text = io.StringIO()
         stats = pstats.Stats(timer.profiler, stream=text)
@@ -240,12 +254,16 @@ def lightning(size: dict, device: str, steps: int, module: str, extras: bool, ba
     return out
 
 
-def step_stats(marks: list[float], end: float, batch: int) -> dict:
-    """images/s and step times (mean; median and 90th percentile of the intervals between batch starts)."""
-    steps = sorted(b - a for a, b in zip(marks, [*marks[1:], end]))
+def step_stats(marks: list[float], end: float, batch: int, first: int = 0) -> dict:
+    """images/s and step times (mean; median and 90th percentile of the intervals between batch starts); the five
+    slowest steps as (batch index, ms), ``first`` being the index of the first timed batch."""
+    intervals = [b - a for a, b in zip(marks, [*marks[1:], end])]
+    steps = sorted(intervals)
     elapsed = end - marks[0]
+    slowest = sorted(range(len(intervals)), key=lambda i: -intervals[i])[:5]
     return {"ips": len(marks) * batch / elapsed, "step_ms": 1e3 * elapsed / len(marks),
-            "host_ms": 1e3 * statistics.median(steps), "p90_ms": 1e3 * steps[int(0.9 * (len(steps) - 1))]}
+            "host_ms": 1e3 * statistics.median(steps), "p90_ms": 1e3 * steps[int(0.9 * (len(steps) - 1))],
+            "slowest": [(first + i, round(1e3 * intervals[i], 1)) for i in slowest]}
 
 
 def fit(size: dict, device: str, steps: int, extra: list[str], qkv: bool = False, epochs: int = 1) -> dict:
@@ -294,7 +312,7 @@ def fit(size: dict, device: str, steps: int, extra: list[str], qkv: bool = False
         ImageData.train_dataloader = original
     if device == "cuda":
         torch.cuda.empty_cache()
-    return step_stats(_FIT_TIMER["marks"], _FIT_TIMER["end"], size["batch"])
+    return step_stats(_FIT_TIMER["marks"], _FIT_TIMER["end"], size["batch"], first=warmup)
 
 
 def fresh_fit(smoke: bool, steps: int, extra: list[str], qkv: bool = False, epochs: int = 1, prepare: bool = True) -> dict:
@@ -375,6 +393,9 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     steps = args.steps or (8 if args.smoke else 60)
     card = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke test)"
+    from vitlab.runtime import available_cores
+
+    cores = available_cores()
     rungs = [
         ("bare", lambda: bare(size, device, steps)),
         ("bare + host batches", lambda: bare(size, device, steps, host_batches=True)),
@@ -387,6 +408,9 @@ def main() -> None:
         ("+ logger, bar, a Python thread 10 % busy", lambda: lightning(size, device, steps, "vitlab", extras=True, bar="vitlab",
                                                                         python_beside=0.1)),
         ("train.py fit", lambda: fit(size, device, steps, [])),
+        ("train.py fit, runtime.figures off", lambda: fit(size, device, steps, ["--runtime.figures", "off"])),
+        ("train.py fit, torch threads = cores", lambda: fit(size, device, steps, ["--runtime.threads", str(cores)])),
+        ("train.py fit, TensorBoard every step", lambda: fit(size, device, steps, ["--trainer.log_every_n_steps", "1"])),
         ("train.py fit + Q/K/V callbacks", lambda: fit(size, device, steps, [], qkv=True)),
         # a new process each, as train.py runs (these differ from the rungs above only by the process)
         ("new process: train.py fit", lambda: fresh_fit(args.smoke, steps, [])),
@@ -406,6 +430,14 @@ def main() -> None:
     for name, result in results.items():
         print(f"  {name:40s} {result['ips']:8.1f} img/s = {result['ips'] / base:5.2f}x bare; step {result['step_ms']:6.1f} ms "
               f"(median {result['host_ms']:6.1f}, p90 {result.get('p90_ms', float('nan')):6.1f})")
+    print("\nthe host's time to launch one step on an idle GPU (below the step time: the GPU sets the pace):")
+    for name, result in results.items():
+        if "launch_ms" in result:
+            print(f"  {name:40s} {result['launch_ms']:6.1f} ms of {result['step_ms']:6.1f} ms")
+    print("\nslowest steps of the fits (batch index: ms; the logging steps are the 10th, 20th, ... batches):")
+    for name, result in results.items():
+        if "fit" in name:
+            print(f"  {name:40s} " + "  ".join(f"{i}: {ms}" for i, ms in result["slowest"]))
 
 
 if __name__ == "__main__":
