@@ -50,12 +50,13 @@ def _receive(stream) -> Any:
     return pickle.loads(stream.read(int.from_bytes(header, "little")))
 
 
-def serve() -> None:
-    """The figure worker's loop (``python -c "from vitlab.figure_worker import serve; serve()"``): read ``(job, tag,
-    figure)`` messages from stdin, answer ``(job, ok, PNG bytes or exception)`` on stdout."""
+def child_setup():
+    """The start of a worker child of the training process (:func:`serve`, :func:`vitlab.table_worker.serve`):
+    returns the stream its answers go to (stdout; anything else printed goes to stderr). Ctrl-C is left to the
+    training process; on Linux the kernel ends the child with it (``PR_SET_PDEATHSIG``)."""
     import signal
 
-    out = os.fdopen(os.dup(1), "wb")  # the answers; anything else printed goes to stderr
+    out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the training process handles it
@@ -65,6 +66,22 @@ def serve() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != int(os.environ.get("VITLAB_FIGURE_PARENT", os.getppid())):  # it ended before the line above
             os._exit(0)
+    return out
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of a worker child: vitlab importable (installed or not), one thread for numeric libraries,
+    the training process's id (for :func:`child_setup`)."""
+    package_root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",  # no parallel BLAS needed
+            "VITLAB_FIGURE_PARENT": str(os.getpid())}
+
+
+def serve() -> None:
+    """The figure worker's loop (``python -c "from vitlab.figure_worker import serve; serve()"``): read ``(job, tag,
+    figure)`` messages from stdin, answer ``(job, ok, PNG bytes or exception)`` on stdout."""
+    out = child_setup()
     from vitlab.outputs.figures import FigureStore, warm_up
 
     warm_up()
@@ -104,12 +121,8 @@ class FigureWorker:
         import queue
         import subprocess
 
-        package_root = str(Path(__file__).resolve().parents[1])  # vitlab importable in the child, installed or not
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",  # figures need no parallel BLAS
-               "VITLAB_FIGURE_PARENT": str(os.getpid())}
         self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.figure_worker import serve; serve()"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment())
         self._targets: dict[int, tuple] = {}  # job -> (writer, tag, step, walltime, figure, bytes of its values, ordinal)
         self._ordinals: dict[tuple[str, int], int] = {}  # (tag, step) -> images handed in
         self._pending_bytes = 0

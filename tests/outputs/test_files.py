@@ -40,3 +40,26 @@ def test_the_drift_table_is_the_row_by_row_table(tmp_path):
                              "head": i // (len(r["dot"]) // heads[block]), **{k: r[k].tolist()[i] for k in names}})
     write_csv(tmp_path / "expected.csv", expected)
     assert (tmp_path / "table.csv").read_bytes() == (tmp_path / "expected.csv").read_bytes()
+
+
+def test_the_array_writer_writes_the_row_writers_file(tmp_path):
+    """Columns as numpy arrays (ints, strings, floats of every magnitude) give the file the row writer gives."""
+    import numpy as np
+    import pytest
+
+    from vitlab.outputs.files import write_csv_arrays
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(300) * 10.0 ** rng.integers(-20, 20, 300)
+    x[:4] = [0.0, float("inf"), float("nan"), 1e16]
+    columns = {"i": np.arange(300), "name": np.repeat(np.array(["blocks.0", "b1"]), 150), "x": x,
+               "y": (x / 3).astype(np.float32), "k": [7] * 300}
+    write_csv_arrays(tmp_path / "arrays.csv", columns)
+    rows = [{"i": i, "name": str(columns["name"][i]), "x": float(x[i]), "y": float(columns["y"][i]), "k": 7} for i in range(300)]
+    write_csv(tmp_path / "rows.csv", rows)
+    assert (tmp_path / "arrays.csv").read_bytes() == (tmp_path / "rows.csv").read_bytes()
+    with pytest.raises(ValueError, match="differ in length"):
+        write_csv_arrays(tmp_path / "bad.csv", {"a": np.arange(3), "b": np.arange(4)})
+    with pytest.raises(ValueError, match="'a' must be one-dimensional"):
+        write_csv_arrays(tmp_path / "bad.csv", {"a": np.zeros((2, 2))})
+    assert not (tmp_path / "bad.csv").exists()

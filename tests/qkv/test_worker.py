@@ -33,6 +33,22 @@ def test_worker_runs_jobs_in_order_and_raises_their_errors_in_the_caller():
         worker.close()
 
 
+def test_a_background_worker_writes_its_tables_in_a_child_and_ends_it_after_its_jobs(tmp_path):
+    import numpy as np
+
+    assert QKVWorker(background=False).tables is None  # (on the CPU the jobs write their tables themselves)
+    worker = QKVWorker(background=True)
+    worker.submit(lambda: worker.tables.write(tmp_path / "t.csv", {"row": np.arange(3), "x": np.ones(3) / 3}))
+    worker.flush()
+    child = worker.tables._proc
+    assert child is not None and child.poll() is None
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["row,x", "0,0.33333333", "1,0.33333333", "2,0.33333333"]
+    thread = worker._thread
+    worker.close()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and child.poll() == 0 and worker.tables._proc is None
+
+
 def test_capture_copies_the_weights_once_and_its_host_copy_equals_qkv_state():
     from tests.helpers.runs import TINY_SWIN
     from vitlab import models

@@ -8,7 +8,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from vitlab.callbacks.base import EpochCallback, shared_capture, submit_epoch_work
+from vitlab.callbacks.base import EpochCallback, qkv_worker, shared_capture, submit_epoch_work
 from vitlab.callbacks.snapshot import QKVSnapshot
 from vitlab.outputs.files import save_safetensors
 from vitlab.outputs.tensorboard import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
@@ -83,8 +83,9 @@ class QKVDrift(EpochCallback, pl.Callback):
         worker = figure_worker(trainer)
         figures = worker is not None and figures_due(trainer, completed, self.figures_every_n_epochs)
         step, local_maps = epoch_end_step(trainer), self.local_maps
+        tables = qkv_worker(trainer, pl_module).tables  # (beside a GPU: a child process formats the table)
         submit_epoch_work(trainer, pl_module, lambda: report_drift(writer, reference, current, previous, heads, step, table, completed,
-                                                                   local_maps, figures, worker))
+                                                                   local_maps, figures, worker, tables))
         write_layout_once(trainer)
         self._prev = current
         self.logged_epochs.append(completed)

@@ -93,6 +93,22 @@ def write_csv_columns(path: str | os.PathLike, fieldnames: Sequence[str], rows: 
     return Path(path)
 
 
+def write_csv_arrays(path: str | os.PathLike, columns: Mapping[str, Any]) -> Path:
+    """Write a table given as columns (name -> numpy array or list, all of one length) to a CSV file atomically:
+    the file :func:`write_csv` writes for the same rows (floats at 8 significant digits; ints and strings as they
+    are). Numpy arrays make a compact message for :class:`vitlab.table_worker.TableWorker`, which writes large
+    tables in a child process."""
+    values = []
+    for name, column in columns.items():
+        array = np.asarray(column)
+        if array.ndim != 1:
+            raise ValueError(f"table column {name!r} must be one-dimensional, got shape {array.shape}")
+        values.append(plain_floats(array.tolist()) if array.dtype.kind == "f" else array.tolist())
+    if len({len(v) for v in values}) > 1:
+        raise ValueError(f"table columns differ in length: {dict(zip(columns, map(len, values)))}")
+    return write_csv_columns(path, list(columns), zip(*values))
+
+
 def plain_floats(values: Iterable[float]) -> list[float]:
     """Floats as :func:`write_csv` writes them (8 significant digits)."""
     return [float(f"{v:.8g}") for v in values]

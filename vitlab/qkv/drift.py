@@ -4,7 +4,6 @@ scalars, histograms, images and a CSV table. Shared by the QKVDrift callback and
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import torch
 
 from vitlab.analysis import DRIFT_METRICS, MATRIX_METRICS, drift_tables, extra_drift, head_grid  # noqa: F401
 from vitlab.qkv.state import MATRICES, block_stage
-from vitlab.outputs.files import plain_floats, write_csv_columns
+from vitlab.outputs.files import write_csv_arrays
 from vitlab.outputs.tensorboard import add_scalars, log_figure
 
 LOCAL_METRICS = ("cosine_distance", "euclidean")
@@ -79,19 +78,28 @@ def drift_layout() -> dict[str, Any]:
     return layout
 
 
-def write_drift_table(path: Path, epoch: int, rows_ref, heads) -> None:
-    """The full per-row table (one line per block, matrix and row) as CSV: built column by column (a ViT-B epoch
-    has 27,648 rows, written on the Q/K/V worker's thread beside training)."""
-    values = DRIFT_METRICS + ("ref_norm", "cur_norm")
-    parts = []
-    for (block, m), r in rows_ref.items():
-        count = len(r["dot"])
-        head_dim = count // heads[block]
-        columns = [plain_floats(r[k].tolist()) for k in values]
-        index = range(count)
-        parts.append(zip(repeat(epoch), repeat(block), repeat(block_stage(block)), repeat(m), index,
-                         [i // head_dim for i in index], *columns))  # (a list: made now, with this block's head_dim)
-    write_csv_columns(path, ["epoch", "block", "stage", "matrix", "row", "head", *values], chain.from_iterable(parts))
+def drift_table_columns(epoch: int, rows_ref, heads) -> dict[str, np.ndarray]:
+    """The full per-row table (one row per block, matrix and weight row) as numpy columns: made in a few array
+    operations per block, written by :func:`vitlab.outputs.files.write_csv_arrays` (a ViT-B epoch has 27,648 rows)."""
+    keys = list(rows_ref)
+    counts = [len(rows_ref[key]["dot"]) for key in keys]
+    names = DRIFT_METRICS + ("ref_norm", "cur_norm")
+    return {
+        "epoch": np.full(sum(counts), epoch, dtype=np.int64),
+        "block": np.repeat(np.array([block for block, _ in keys]), counts),
+        "stage": np.repeat(np.array([block_stage(block) for block, _ in keys]), counts),
+        "matrix": np.repeat(np.array([m for _, m in keys]), counts),
+        "row": np.concatenate([np.arange(count) for count in counts]),
+        "head": np.concatenate([np.arange(count) // (count // heads[block]) for (block, _), count in zip(keys, counts)]),
+        **{name: np.concatenate([rows_ref[key][name].double().numpy() for key in keys]) for name in names},
+    }
+
+
+def write_drift_table(path: Path, epoch: int, rows_ref, heads, tables=None) -> None:
+    """The full per-row table as CSV; written by ``tables`` (a :class:`vitlab.table_worker.TableWorker`: a child
+    process, beside training on a GPU) when given, else here."""
+    columns = drift_table_columns(epoch, rows_ref, heads)
+    (tables.write if tables is not None else write_csv_arrays)(path, columns)
 
 
 def report_drift(
@@ -106,12 +114,14 @@ def report_drift(
     local_maps: bool = True,
     figures: bool = True,
     figure_worker=None,
+    tables=None,
 ) -> dict[tuple[str, str], dict[str, float]]:
     """Compute and write one drift report (TensorBoard scalars, histograms, images; optional CSV).
 
     Shared by :class:`QKVDrift` (every epoch) and ``probe.py drift`` (two checkpoints). Returns the
     per-(block, matrix) summary against ``ref``. Figures go through ``figure_worker`` (a
-    :class:`vitlab.runtime.FigureWorker`), else are drawn at once.
+    :class:`vitlab.runtime.FigureWorker`), else are drawn at once; the CSV table through ``tables`` (a
+    :class:`vitlab.table_worker.TableWorker`), else is written here.
     """
     blocks = list(heads)
     rows_ref, sum_ref = drift_tables(ref, cur, blocks, out_device="cpu")  # (computed where the states are)
@@ -122,5 +132,5 @@ def report_drift(
     if figures:
         _log_images(writer, rows_ref, sum_ref, heads, step, local_maps, figure_worker)
     if table_path is not None:
-        write_drift_table(table_path, epoch, rows_ref, heads)
+        write_drift_table(table_path, epoch, rows_ref, heads, tables)
     return sum_ref

@@ -24,11 +24,17 @@ class QKVWorker:
     """Runs jobs (callables without arguments) in submission order: at once (``background=False``) or on one daemon
     thread. A job's exception is raised in the submitting thread at the next :meth:`submit` or :meth:`flush`.
 
-    ``submitted`` / ``done`` count the jobs handed in and finished (successfully or not).
+    ``submitted`` / ``done`` count the jobs handed in and finished (successfully or not). ``tables``: where the
+    jobs write their large CSV tables: a :class:`vitlab.table_worker.TableWorker` (a child process, so that
+    formatting them never holds the interpreter's lock beside the training thread) when in the background, else
+    None (written by the job itself, in the training thread: on the CPU that is where the cores are).
     """
 
     def __init__(self, background: bool) -> None:
+        from vitlab.table_worker import TableWorker
+
         self.background = background
+        self.tables = TableWorker() if background else None
         self.submitted = self.done = 0
         self._error: BaseException | None = None
         self._cond = threading.Condition()
@@ -63,7 +69,8 @@ class QKVWorker:
         self._raise_error()
 
     def close(self) -> None:
-        """Let the thread end once the jobs submitted so far are done (it never blocks the process's exit)."""
+        """Let the thread end once the jobs submitted so far are done, ending the table writer's child after them
+        (it never blocks the process's exit)."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
@@ -78,6 +85,8 @@ class QKVWorker:
                 with self._cond:
                     self.done += 1
                     self._cond.notify_all()
+        if self.tables is not None:
+            self.tables.close()
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None

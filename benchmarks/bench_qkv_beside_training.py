@@ -1,0 +1,159 @@
+"""How long the Q/K/V callbacks' epoch work stops a GPU training thread: the interpreter's lock, measured on the CPU.
+
+    python benchmarks/bench_qkv_beside_training.py [--repeats 3] [--seconds-per-epoch 2.16]
+
+Beside a GPU the Q/K/V callbacks' per-epoch work (the drift against the reference and the previous epoch with its
+scalars, histograms and per-row CSV table; the QK spectra with theirs) runs on a background thread of the training
+process. The training thread launches an operation every few microseconds and releases the interpreter's lock
+around each: whenever the background thread runs Python, the training thread waits for the lock at its next
+launch, and a GPU whose host falls behind idles. This measures that wait without a GPU: a stand-in training thread
+runs small torch operations (each releases and takes back the lock, as a launch does) while another thread runs the
+epoch work of ViT-B/16's Q/K/V (12 blocks of 768 x 768 Q, K, V, 12 heads), as ``QKVDrift`` and ``QKSpectra`` hand
+it to their worker in an epoch without figures. The stall is the work's wall time less the time the stand-in's
+operations would have taken alone (its rate measured alone, before). Side by side in one process:
+
+- ``drift, table here``: the drift report with its CSV table formatted in the thread (the worker on the CPU, and
+  beside a GPU before the table worker);
+- ``drift, table worker``: the same with the table handed to :class:`vitlab.table_worker.TableWorker` (a child
+  process), as beside a GPU now;
+- ``spectra``: the eigenproblems on the host (LAPACK releases the lock) and the spectra report.
+
+A second probe separates the lock from the cores: a thread that sleeps 0.5 ms at a time (using no core worth
+sharing) is late to wake by as long as the work holds the lock ("the lock held"). The busy stand-in's stall also
+counts the cores the two threads share (on a 2-core machine, or two hyperthreads of one core, LAPACK slows the
+stand-in without holding the lock); on a GPU machine's many cores the lock is what remains.
+
+The epoch share divides the stall by ``--seconds-per-epoch`` (default 2.16 s: 5,000 images at the bare bf16
+loop's 2,310 images/s on an H200); the GPU target is 1 % of an epoch for the Q/K/V callbacks. On a machine of 2
+shared cores the stand-in and the work also compete for cores: compare the rows, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def vit_b_states():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    blocks = [f"blocks.{i}" for i in range(12)]
+    ref = {}
+    for b in blocks:
+        for m in "qkv":
+            ref[f"{b}.{m}.weight"] = 0.02 * torch.randn(768, 768, generator=g)
+            ref[f"{b}.{m}.bias"] = torch.zeros(768)
+    prev = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in ref.items()}
+    cur = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in prev.items()}
+    return ref, prev, cur, {b: 12 for b in blocks}
+
+
+def stall(work, rate: float) -> tuple[float, float]:
+    """(wall seconds of ``work`` on a thread, seconds the stand-in training thread lost meanwhile)."""
+    import torch
+
+    x = torch.zeros(4)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (work(), done.set()), daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    ops = 0
+    while not done.is_set():
+        x.add_(1.0)
+        ops += 1
+    wall = time.perf_counter() - start
+    thread.join()
+    return wall, max(0.0, wall - ops / rate)
+
+
+def lock_held(work, idle_late: float) -> float:
+    """Seconds ``work`` (on a thread) kept a sleeping probe from waking on time: a probe that wakes every 0.5 ms
+    needs the interpreter's lock to go on, and uses no core worth sharing, so its lateness beyond an idle wake-up's
+    (``idle_late``) is the time the work held the lock."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (work(), done.set()), daemon=True)
+    thread.start()
+    late = 0.0
+    while not done.is_set():
+        start = time.perf_counter()
+        time.sleep(0.0005)
+        late += max(0.0, time.perf_counter() - start - 0.0005 - idle_late)
+    thread.join()
+    return late
+
+
+def idle_lateness(seconds: float = 0.3) -> float:
+    """A sleeping probe's lateness per wake-up when nothing else runs."""
+    late, count, end = 0.0, 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        time.sleep(0.0005)
+        late += time.perf_counter() - start - 0.0005
+        count += 1
+    return late / count
+
+
+def solo_rate(seconds: float = 0.5) -> float:
+    import torch
+
+    x = torch.zeros(4)
+    ops, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(1000):
+            x.add_(1.0)
+        ops += 1000
+    return ops / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each row (the median is shown)")
+    parser.add_argument("--seconds-per-epoch", type=float, default=2.16, help="the epoch the stall is a share of")
+    args = parser.parse_args()
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from vitlab.qkv.drift import report_drift
+    from vitlab.qkv.spectra import block_spectra, report_spectra
+    from vitlab.table_worker import TableWorker
+
+    torch.set_num_threads(1)
+    ref, prev, cur, heads = vit_b_states()
+    out = Path(tempfile.mkdtemp(prefix="bench-qkv-"))
+    writer = SummaryWriter(str(out / "events"))
+    tables = TableWorker()
+    rows = {
+        "drift, table here": lambda: report_drift(writer, ref, cur, prev, heads, 1, out / "drift_here.csv", 1, figures=False),
+        "drift, table worker": lambda: report_drift(writer, ref, cur, prev, heads, 1, out / "drift_worker.csv", 1,
+                                                    figures=False, tables=tables),
+        "spectra": lambda: report_spectra(writer, block_spectra(cur, heads, out_device="cpu"), 1, out / "spectra.csv", 1,
+                                          figures=False),
+    }
+    for work in rows.values():  # warm-up (imports, the table worker's child)
+        work()
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in rows}
+    for _ in range(args.repeats):
+        for name, work in rows.items():
+            results[name].append((*stall(work, solo_rate()), lock_held(work, idle_lateness())))
+    tables.close()
+    writer.close()
+    same = (out / "drift_here.csv").read_bytes() == (out / "drift_worker.csv").read_bytes()
+    print(f"Q/K/V epoch work of ViT-B/16 beside a stand-in training thread (median of {args.repeats}; "
+          f"1 torch thread; the two drift tables {'identical' if same else 'DIFFER'})")
+    for name, runs in results.items():
+        wall, lost, held = (statistics.median(r[i] for r in runs) for i in range(3))
+        print(f"  {name:22s} {wall:6.3f} s of work; the training thread stalled {lost:6.3f} s = "
+              f"{lost / args.seconds_per_epoch:6.1%} of a {args.seconds_per_epoch:.2f} s epoch; the lock held "
+              f"{held:6.3f} s = {held / args.seconds_per_epoch:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
