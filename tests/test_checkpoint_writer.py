@@ -106,3 +106,30 @@ def test_pinned_buffers_are_reused_for_checkpoints_of_the_same_layout(tmp_path):
     assert io._free[((tuple(weights.shape), weights.dtype),)][0] is buffers
     assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], weights.cpu())
     io.teardown()
+
+
+def test_local_files_are_written_straight_to_disk_and_are_lightnings_bytes(tmp_path, monkeypatch):
+    """For Lightning's plain writer and a local path the file is written by torch.save into the open file (not
+    through an in-memory buffer): the bytes Lightning's writer writes; a failed write leaves the previous file."""
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    torch.manual_seed(0)
+    ckpt = {"state_dict": {f"w{i}": torch.randn(5, 3) for i in range(4)}, "optimizer_states": [{"step": torch.tensor(2.0)}],
+            "epoch": 1, "hyper_parameters": {"lr": 1e-3, "names": ["a", "b"]}}
+    TorchCheckpointIO().save_checkpoint(ckpt, tmp_path / "lightning.ckpt")
+    io = BackgroundCheckpointIO()
+    saved = []
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", lambda self, c, path, storage_options=None: saved.append(path))
+    io.save_checkpoint(ckpt, tmp_path / "sub" / "vitlab.ckpt")
+    io.wait()
+    assert saved == []  # (not Lightning's writer)
+    assert (tmp_path / "sub" / "vitlab.ckpt").read_bytes() == (tmp_path / "lightning.ckpt").read_bytes()
+    io.save_checkpoint({"bad": threading.Lock()}, tmp_path / "sub" / "vitlab.ckpt")  # a value that does not pickle
+    with pytest.raises(TypeError):
+        io.wait()
+    assert (tmp_path / "sub" / "vitlab.ckpt").read_bytes() == (tmp_path / "lightning.ckpt").read_bytes()
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["vitlab.ckpt"]  # no temp file left
+    io.save_checkpoint(ckpt, "memory://run/remote.ckpt")  # a remote path: Lightning's writer
+    io.wait()
+    assert saved == ["memory://run/remote.ckpt"]
+    io.teardown()
