@@ -293,7 +293,7 @@ def fit(size: dict, device: str, steps: int, extra: list[str], qkv: bool = False
     original = ImageData.train_dataloader
     ImageData.train_dataloader = lambda self: Batches()
     global _FIT_TIMER
-    _FIT_TIMER = {"marks": [], "warmup": warmup, "device": device, "epoch": epochs - 1}
+    _FIT_TIMER = {"marks": [], "warmup": warmup, "device": device, "epoch": epochs - 1, "name": RUNG[0]}
     callbacks = [{"class_path": f"{__name__}.FitTimer"},
                  {"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "step"}}]
     if qkv:
@@ -322,7 +322,7 @@ def fresh_fit(smoke: bool, steps: int, extra: list[str], qkv: bool = False, epoc
     import os
     import subprocess
 
-    spec = {"smoke": smoke, "steps": steps, "extra": extra, "qkv": qkv, "epochs": epochs, "prepare": prepare}
+    spec = {"smoke": smoke, "steps": steps, "extra": extra, "qkv": qkv, "epochs": epochs, "prepare": prepare, "name": RUNG[0]}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
            "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT, env=env, capture_output=True,
@@ -342,11 +342,33 @@ def child(spec_json: str) -> None:
 
         prepare_process()  # (what train.py does first, before torch is imported)
     size = SIZES["smoke" if spec["smoke"] else "full"]
+    RUNG[0] = spec["name"]
     result = fit(size, "cpu" if spec["smoke"] else "cuda", spec["steps"], spec["extra"], spec["qkv"], spec["epochs"])
     print("RESULT " + json.dumps(result), flush=True)
 
 
 _FIT_TIMER: dict = {}
+RUNG = ["fit"]  # the rung running now (py-spy's file names)
+
+
+def py_spy(name: str) -> None:
+    """With ``--py-spy DIR`` (``LADDER_PY_SPY`` in a fit's process): every thread's stack now, then 3 s of samples of
+    the thread holding the interpreter's lock (``py-spy record --gil --nonblocking``: the process is not stopped to
+    be sampled, but its steps still pay for the reads), into DIR, in the background."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    folder = os.environ.get("LADDER_PY_SPY")
+    tool = shutil.which("py-spy")
+    if not folder or tool is None:
+        return
+    stem = Path(folder) / re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+    pid = str(os.getpid())
+    command = (f"'{tool}' dump --pid {pid} > '{stem}_dump.txt' 2>&1; '{tool}' record --pid {pid} -d 3 -r 250 --gil "
+               f"--threads --nonblocking --format raw -o '{stem}_gil.txt' > /dev/null 2>&1")
+    subprocess.Popen(["sh", "-c", command], start_new_session=True)
 
 
 def _fit_timer():
@@ -358,6 +380,7 @@ def _fit_timer():
                 return
             if batch_idx == _FIT_TIMER["warmup"]:
                 sync(_FIT_TIMER["device"])
+                py_spy(_FIT_TIMER.get("name", "fit"))
             if batch_idx >= _FIT_TIMER["warmup"]:
                 _FIT_TIMER["marks"].append(time.perf_counter())
 
@@ -380,8 +403,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per rung (default 60; 8 with --smoke)")
     parser.add_argument("--profile", type=Path, default=None, help="cProfile tables of the '+ logger, bar' rung's timed steps")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
+    parser.add_argument("--py-spy", type=Path, default=None, help="a folder for py-spy's stacks and lock-holder samples "
+                        "of each fit's first timed steps (py-spy on PATH)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (a fresh-process rung)
     args = parser.parse_args()
+    if args.py_spy is not None:
+        import os
+
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+        os.environ["LADDER_PY_SPY"] = str(args.py_spy.resolve())  # (inherited by the new-process rungs)
     if args.child is not None:
         return child(args.child)
     import torch
@@ -422,6 +452,7 @@ def main() -> None:
     ]
     results = {}
     for name, run in rungs:
+        RUNG[0] = name
         results[name] = result = run()
         print(f"  {name:40s} {result['ips']:8.1f} img/s  step {result['step_ms']:6.1f} ms  median {result['host_ms']:6.1f} ms",
               flush=True)

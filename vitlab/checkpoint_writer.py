@@ -110,7 +110,7 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         Lightning's ``TorchCheckpointIO`` pickles the checkpoint into an in-memory buffer and then writes the buffer:
         growing that buffer, and copying it out, holds the interpreter's lock for much of the write, and the
         training thread on the GPU waits for that lock at every launch. ``torch.save`` into an open file writes
-        the same bytes (tested) and holds the lock about a fifth as long (``benchmarks/bench_checkpoint_write.py``)."""
+        the same bytes (tested) and holds the lock about a fifth as long (``benchmarks/bench_beside_training.py``)."""
         if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or "://" in str(path):
             self.checkpoint_io.save_checkpoint(host, path, storage_options=storage_options)
             return
