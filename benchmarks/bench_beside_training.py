@@ -16,6 +16,9 @@ stand-in's operations would have taken alone (its rate measured alone, before). 
   worker);
 - ``drift, table worker``: the same with the table handed to :class:`vitlab.table_worker.TableWorker` (a child
   process), as beside a GPU now;
+- ``drift, figure epoch``: the same in an epoch that draws its figures (the drift maps and a heads x rows map per
+  block, 15 figures), handed to a figure worker process, until they are written (the figure worker's threads in
+  this process send them and write the images it returns);
 - ``spectra``: the QK spectra's eigenproblems on the host (LAPACK releases the lock) and their report;
 - ``checkpoint, Lightning's writer``: a checkpoint of ViT-B/16 with its AdamW state (1.0 GB, as
   ``ModelCheckpoint`` saves one) written by Lightning's ``TorchCheckpointIO`` (pickled into an in-memory buffer,
@@ -151,6 +154,7 @@ def main() -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     from vitlab.checkpoint_writer import BackgroundCheckpointIO
+    from vitlab.figure_worker import FigureWorker
     from vitlab.qkv.drift import report_drift
     from vitlab.qkv.spectra import block_spectra, report_spectra
     from vitlab.table_worker import TableWorker
@@ -162,11 +166,13 @@ def main() -> None:
     if args.only in (None, "qkv"):
         ref, prev, cur, heads = vit_b_states()
         writer = SummaryWriter(str(out / "events"))
-        tables = TableWorker()
+        tables, figures = TableWorker(), FigureWorker(process=True)
         rows.update({
             "drift, table here": lambda: report_drift(writer, ref, cur, prev, heads, 1, out / "drift_here.csv", 1, figures=False),
             "drift, table worker": lambda: report_drift(writer, ref, cur, prev, heads, 1, out / "drift_worker.csv", 1,
                                                         figures=False, tables=tables),
+            "drift, figure epoch": lambda: (report_drift(writer, ref, cur, prev, heads, 1, out / "drift_figures.csv", 1,
+                                                         figure_worker=figures, tables=tables), figures.flush()),
             "spectra": lambda: report_spectra(writer, block_spectra(cur, heads, out_device="cpu"), 1, out / "spectra.csv", 1,
                                               figures=False),
         })
@@ -185,6 +191,7 @@ def main() -> None:
     checks = []
     if tables is not None:
         tables.close()
+        figures.close()
         writer.close()
         same = (out / "drift_here.csv").read_bytes() == (out / "drift_worker.csv").read_bytes()
         checks.append(f"the two drift tables {'identical' if same else 'DIFFER'}")

@@ -29,7 +29,10 @@ the edges only:
 Below the table: for the bare loops, the host's own time to launch one step when the GPU is idle (a loop whose
 launch time is close to its step time has no host time to spare: anything added on the host slows it), and for
 each fit its five slowest steps with their batch index (stalls at the logging steps, the 10th, 20th, ... batches,
-or at the start).
+or at the start) and the CPUs its training thread ran on. One new-process rung runs on the CPUs of the GPU's NUMA
+node only (on a machine of several nodes, launches from the far node cross the processors' interconnect).
+``--py-spy DIR`` (py-spy on ``PATH``): every thread's stack and 3 s of samples of the thread holding the
+interpreter's lock, taken at each fit's first timed step, into DIR.
 
 For each: images/s, the ratio to ``bare`` and the host's time per step (the training loop's wall time between
 consecutive batch starts; when it equals the step time, the host is what the GPU waits for). ``--profile FILE``
@@ -312,17 +315,21 @@ def fit(size: dict, device: str, steps: int, extra: list[str], qkv: bool = False
         ImageData.train_dataloader = original
     if device == "cuda":
         torch.cuda.empty_cache()
-    return step_stats(_FIT_TIMER["marks"], _FIT_TIMER["end"], size["batch"], first=warmup)
+    out = step_stats(_FIT_TIMER["marks"], _FIT_TIMER["end"], size["batch"], first=warmup)
+    out["cpus"] = sorted(c for c in _FIT_TIMER.get("cpus", ()) if c is not None)  # where the training thread ran
+    return out
 
 
-def fresh_fit(smoke: bool, steps: int, extra: list[str], qkv: bool = False, epochs: int = 1, prepare: bool = True) -> dict:
+def fresh_fit(smoke: bool, steps: int, extra: list[str], qkv: bool = False, epochs: int = 1, prepare: bool = True,
+              cpus: list[int] | None = None) -> dict:
     """:func:`fit` in a new Python process, as ``train.py`` starts one (``prepare=False``: without
     ``vitlab.runtime.prepare_process``'s settings made before torch is imported)."""
     import json
     import os
     import subprocess
 
-    spec = {"smoke": smoke, "steps": steps, "extra": extra, "qkv": qkv, "epochs": epochs, "prepare": prepare, "name": RUNG[0]}
+    spec = {"smoke": smoke, "steps": steps, "extra": extra, "qkv": qkv, "epochs": epochs, "prepare": prepare, "name": RUNG[0],
+            "cpus": cpus}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
            "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT, env=env, capture_output=True,
@@ -333,10 +340,54 @@ def fresh_fit(smoke: bool, steps: int, extra: list[str], qkv: bool = False, epoc
     return json.loads(line[len("RESULT "):])
 
 
+def current_cpu() -> int | None:
+    """The CPU this thread runs on now (Linux: field 39 of /proc/thread-self/stat)."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def gpu_numa_cpus() -> list[int]:
+    """The CPUs of the NUMA node the GPU is attached to (from nvidia-smi's PCI bus id and sysfs), among those this
+    process may use; empty when unknown (one node, no nvidia-smi)."""
+    import os
+    import subprocess
+
+    try:
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().lower()
+        node = int(Path(f"/sys/bus/pci/devices/{bus[-12:]}/numa_node").read_text())
+        cpulist = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return []
+    cpus = set()
+    for part in cpulist.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return sorted(cpus & os.sched_getaffinity(0)) if node >= 0 else []
+
+
+def numa_nodes() -> dict[int, list[int]]:
+    """NUMA node -> its CPUs (sysfs; empty off Linux)."""
+    nodes = {}
+    for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        text = (path / "cpulist").read_text().strip()
+        cpus = []
+        for part in filter(None, text.split(",")):
+            low, _, high = part.partition("-")
+            cpus += range(int(low), int(high or low) + 1)
+        nodes[int(path.name[4:])] = cpus
+    return nodes
+
+
 def child(spec_json: str) -> None:
     import json
+    import os
 
     spec = json.loads(spec_json)
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])  # (before anything starts a thread)
     if spec["prepare"]:
         from vitlab.runtime import prepare_process
 
@@ -383,6 +434,7 @@ def _fit_timer():
                 py_spy(_FIT_TIMER.get("name", "fit"))
             if batch_idx >= _FIT_TIMER["warmup"]:
                 _FIT_TIMER["marks"].append(time.perf_counter())
+                _FIT_TIMER.setdefault("cpus", set()).add(current_cpu())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.current_epoch == _FIT_TIMER["epoch"] and batch_idx + 1 >= trainer.num_training_batches:
@@ -426,6 +478,9 @@ def main() -> None:
     from vitlab.runtime import available_cores
 
     cores = available_cores()
+    nodes = numa_nodes()
+    local_cpus = gpu_numa_cpus() if device == "cuda" else []
+    print(f"NUMA nodes (CPUs): {nodes or 'unknown'}; the GPU's node's CPUs: {local_cpus or 'unknown'}", flush=True)
     rungs = [
         ("bare", lambda: bare(size, device, steps)),
         ("bare + host batches", lambda: bare(size, device, steps, host_batches=True)),
@@ -447,6 +502,7 @@ def main() -> None:
         ("new process: without prepare_process", lambda: fresh_fit(args.smoke, steps, [], prepare=False)),
         ("new process: runtime.threads 1", lambda: fresh_fit(args.smoke, steps, ["--runtime.threads", "1"])),
         ("new process: runtime.figures off", lambda: fresh_fit(args.smoke, steps, ["--runtime.figures", "off"])),
+        ("new process: on the GPU's NUMA node", lambda: fresh_fit(args.smoke, steps, [], cpus=local_cpus or None)),
         ("new process: 2nd epoch", lambda: fresh_fit(args.smoke, steps, [], epochs=2)),
         ("new process: 2nd epoch, Q/K/V callbacks", lambda: fresh_fit(args.smoke, steps, [], qkv=True, epochs=2)),
     ]
@@ -467,8 +523,9 @@ def main() -> None:
             print(f"  {name:40s} {result['launch_ms']:6.1f} ms of {result['step_ms']:6.1f} ms")
     print("\nslowest steps of the fits (batch index: ms; the logging steps are the 10th, 20th, ... batches):")
     for name, result in results.items():
-        if "fit" in name:
-            print(f"  {name:40s} " + "  ".join(f"{i}: {ms}" for i, ms in result["slowest"]))
+        if "fit" in name or "process" in name:
+            print(f"  {name:40s} " + "  ".join(f"{i}: {ms}" for i, ms in result["slowest"])
+                  + f"; training thread on CPU(s) {result.get('cpus')}")
 
 
 if __name__ == "__main__":
