@@ -49,26 +49,37 @@ def serve() -> None:
 class TableWorker:
     """Writes CSV tables in a child process, one at a time: :meth:`write` returns when the file is written (the
     caller waits without holding the interpreter's lock). Safe to call from any thread. The child starts at the
-    first table and ends at :meth:`close` (or with the training process)."""
+    first table and ends at :meth:`close` (or with the training process); one that ended is replaced at the next
+    table. A table whose child ends while writing it is written here (said in one line); after :data:`MAX_LOSSES`
+    such ends, every table is."""
+
+    MAX_LOSSES = 2
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self.losses = 0
 
     def write(self, path: str | os.PathLike, columns: Mapping[str, Any]) -> Path:
         """Write ``columns`` (name -> numpy array or list) to ``path`` as :func:`vitlab.outputs.files.write_csv_arrays`
-        does; an error of the child's is raised here."""
+        does; an error of the child's writing is raised here."""
+        from vitlab.outputs.files import write_csv_arrays
+
+        if self.losses >= self.MAX_LOSSES:
+            return write_csv_arrays(path, columns)
         with self._lock:
-            if self._proc is None:
-                self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.table_worker import serve; serve()"],
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment())
             try:
+                if self._proc is None or self._proc.poll() is not None:
+                    self._proc = subprocess.Popen([sys.executable, "-c", "from vitlab.table_worker import serve; serve()"],
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment())
                 _send(self._proc.stdin, (str(path), dict(columns)))
                 ok, error = _receive(self._proc.stdout)
-            except (EOFError, OSError) as exc:
-                code = self._proc.poll()
-                self._proc = None  # (a new child for the next table)
-                raise RuntimeError(f"vitlab's table worker ended (exit code {code}) before writing {path}") from exc
+            except (EOFError, OSError):
+                code = self._end()
+                self.losses += 1
+                print(f"vitlab: the table writer process ended (exit code {code}) before writing {path}: written by the "
+                      f"training process{' from now on' if self.losses >= self.MAX_LOSSES else ''}", file=sys.stderr)
+                return write_csv_arrays(path, columns)
         if not ok:
             raise error
         return Path(path)
@@ -76,13 +87,16 @@ class TableWorker:
     def close(self) -> None:
         """End the child once it has written what it was given (a table being written is finished first)."""
         with self._lock:
-            proc, self._proc = self._proc, None
+            self._end()
+
+    def _end(self) -> int | None:
+        proc, self._proc = self._proc, None
         if proc is None:
-            return
+            return None
         with contextlib.suppress(OSError):
             proc.stdin.close()  # the child ends when its input does
         try:
-            proc.wait(timeout=30)
+            return proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            return proc.wait()
