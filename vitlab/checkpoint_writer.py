@@ -179,9 +179,13 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
             sets = self._free.get(layout)
             buffers = sets.pop() if sets else None
         if buffers is None and arena:
-            buffers = Arena([(tuple(t.shape), t.dtype) for t in stored], pin=bool(on_gpu))
-            if not buffers.usable:  # (no page-locked shared memory here: pinned buffers, written in this process)
-                buffers.close()
+            try:
+                buffers = Arena([(tuple(t.shape), t.dtype) for t in stored], pin=bool(on_gpu))
+            except OSError:  # (no anonymous shared memory here)
+                buffers = None
+            if buffers is None or not buffers.usable:  # (or CUDA cannot page-lock it: pinned buffers, written here)
+                if buffers is not None:
+                    buffers.close()
                 self._no_arena = True
                 return self._host_copy(checkpoint, in_process=False)
         if buffers is None:
