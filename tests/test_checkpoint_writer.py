@@ -217,3 +217,22 @@ def test_a_child_process_writes_lightnings_bytes_from_shared_memory(tmp_path, ca
     assert child.poll() == 0 and io._free == {}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.ckpt", "child.ckpt", "fatal.ckpt", "here.ckpt", "lost.ckpt",
                                                            "odd.ckpt"]
+
+
+def test_without_usable_shared_memory_the_thread_writes(tmp_path, monkeypatch):
+    """Shared memory that cannot be made (or that CUDA cannot page-lock) leaves the writing to the thread, for the
+    rest of the run, and the file is the same."""
+    from vitlab import checkpoint_process
+
+    def refuse(self, layout, pin):
+        raise OSError("memfd_create: operation not permitted")
+
+    monkeypatch.setattr(checkpoint_process.Arena, "__init__", refuse)
+    ckpt = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 1}
+    io = BackgroundCheckpointIO(process=True)
+    for name in ("a.ckpt", "b.ckpt"):
+        io.save_checkpoint(ckpt, tmp_path / name)
+        io.wait()
+    assert io._no_arena and io.process_writes == 0 and io.writes == 2
+    assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["state_dict"]["w"], torch.arange(6.0))
+    io.teardown()
