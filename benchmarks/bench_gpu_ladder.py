@@ -361,23 +361,23 @@ def gpu_numa_cpus() -> list[int]:
         cpulist = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
     except (OSError, ValueError, subprocess.SubprocessError):
         return []
-    cpus = set()
-    for part in cpulist.split(","):
+    return sorted(set(cpu_list(cpulist)) & os.sched_getaffinity(0))
+
+
+def cpu_list(text: str) -> list[int]:
+    """``0-3,8,10-11`` (sysfs's CPU lists) -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
         low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return sorted(cpus & os.sched_getaffinity(0)) if node >= 0 else []
+        cpus += range(int(low), int(high or low) + 1)
+    return cpus
 
 
 def numa_nodes() -> dict[int, list[int]]:
     """NUMA node -> its CPUs (sysfs; empty off Linux)."""
     nodes = {}
     for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
-        text = (path / "cpulist").read_text().strip()
-        cpus = []
-        for part in filter(None, text.split(",")):
-            low, _, high = part.partition("-")
-            cpus += range(int(low), int(high or low) + 1)
-        nodes[int(path.name[4:])] = cpus
+        nodes[int(path.name[4:])] = cpu_list((path / "cpulist").read_text())
     return nodes
 
 
