@@ -68,8 +68,12 @@ class Arena:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.size = max(offset, mmap.PAGESIZE)
         self.fd = os.memfd_create("vitlab-checkpoint", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.size)
-        self._map = mmap.mmap(self.fd, self.size)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self._map = mmap.mmap(self.fd, self.size)
+        except OSError:
+            os.close(self.fd)
+            raise
         base = torch.frombuffer(self._map, dtype=torch.uint8)
         self.views = [base[o : o + n * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
                       for (o, n, _, _), (shape, dtype) in zip(self.slots, layout)]
