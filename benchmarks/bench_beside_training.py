@@ -18,7 +18,9 @@ stand-in's operations would have taken alone (its rate measured alone, before). 
   process), as beside a GPU now;
 - ``drift, figure epoch``: the same in an epoch that draws its figures (the drift maps and a heads x rows map per
   block, 15 figures), handed to a figure worker process, until they are written (the figure worker's threads in
-  this process send them and write the images it returns);
+  this process send them and write the images it returns; TensorBoard's writer thread checksums each record):
+  ``before`` with TensorBoard's pure-Python checksums, ``now`` with ``train.py``'s in C
+  (:func:`vitlab.outputs.tensorboard.fast_event_checksums`);
 - ``spectra``: the QK spectra's eigenproblems on the host (LAPACK releases the lock) and their report;
 - ``checkpoint, Lightning's writer``: a checkpoint of ViT-B/16 with its AdamW state (1.0 GB, as
   ``ModelCheckpoint`` saves one) written by Lightning's ``TorchCheckpointIO`` (pickled into an in-memory buffer,
@@ -163,6 +165,20 @@ def main() -> None:
     from vitlab.table_worker import TableWorker
 
     torch.set_num_threads(1)
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
+
+    from vitlab.outputs.tensorboard import fast_event_checksums
+
+    python_crc = pywrap_tensorflow.masked_crc32c
+
+    def checksums(fast: bool) -> None:  # (TensorBoard's pure-Python record checksums, or train.py's in C)
+        if fast:
+            fast_event_checksums()
+        else:
+            record_writer.masked_crc32c = pywrap_tensorflow.masked_crc32c = python_crc
+
+    checksums(True)
     out = Path(tempfile.mkdtemp(prefix="bench-beside-"))
     rows = {}
     tables = writer = None
@@ -174,8 +190,11 @@ def main() -> None:
             "drift, table here": lambda: report_drift(writer, ref, cur, prev, heads, 1, out / "drift_here.csv", 1, figures=False),
             "drift, table worker": lambda: report_drift(writer, ref, cur, prev, heads, 1, out / "drift_worker.csv", 1,
                                                         figures=False, tables=tables),
-            "drift, figure epoch": lambda: (report_drift(writer, ref, cur, prev, heads, 1, out / "drift_figures.csv", 1,
-                                                         figure_worker=figures, tables=tables), figures.flush()),
+            "drift, figure epoch (before)": lambda: (checksums(False), report_drift(
+                writer, ref, cur, prev, heads, 1, out / "drift_figures.csv", 1, figure_worker=figures, tables=tables),
+                figures.flush(), checksums(True)),
+            "drift, figure epoch (now)": lambda: (report_drift(writer, ref, cur, prev, heads, 1, out / "drift_figures.csv", 1,
+                                                               figure_worker=figures, tables=tables), figures.flush()),
             "spectra": lambda: report_spectra(writer, block_spectra(cur, heads, out_device="cpu"), 1, out / "spectra.csv", 1,
                                               figures=False),
         })

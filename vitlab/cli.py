@@ -228,6 +228,9 @@ def fit(args: list[str] | dict[str, Any] | None = None) -> VitlabCLI:
     With ``--study``: run a grid of such fits instead and return its record (:mod:`vitlab.study`)."""
     cli_support.quiet_output()
     from vitlab import study
+    from vitlab.outputs.tensorboard import fast_event_checksums
+
+    fast_event_checksums()
 
     if not isinstance(args, dict) and study.requested(list(sys.argv[1:] if args is None else args)):
         return study.run_study(list(sys.argv[1:] if args is None else args), fit)

@@ -122,3 +122,41 @@ def test_add_scalars_writes_what_add_scalar_writes_in_one_event(tmp_path):
 
     add_scalars(Plain(), values, 7)
     assert calls == [(tag, 7) for tag in values]
+
+
+def test_event_checksums_in_c_are_tensorboards_and_the_files_read_back(tmp_path, monkeypatch):
+    """vitlab's masked CRC-32C (google-crc32c's C code) gives TensorBoard's pure-Python values, and event files
+    written with it carry TensorBoard's checksums and read back through TensorBoard's reader (which checks them)."""
+    import struct
+
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
+    from torch.utils.tensorboard import SummaryWriter
+
+    from vitlab.outputs.tensorboard import fast_event_checksums, masked_crc32c
+
+    reference = pywrap_tensorflow.masked_crc32c  # (TensorBoard's pure-Python function)
+    monkeypatch.setattr(pywrap_tensorflow, "masked_crc32c", reference)
+    monkeypatch.setattr(record_writer, "masked_crc32c", record_writer.masked_crc32c)
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 7, 64, 1000, 20011):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert masked_crc32c(data) == reference(data) and masked_crc32c(bytearray(data)) == reference(data)
+    assert fast_event_checksums() and record_writer.masked_crc32c is masked_crc32c is pywrap_tensorflow.masked_crc32c
+    writer = SummaryWriter(str(tmp_path))
+    writer.add_scalar("loss", 0.25, 3)
+    writer.add_image("picture", rng.random((3, 40, 30)), 3)
+    writer.close()
+    (event_file,) = tmp_path.glob("events.out.tfevents.*")
+    raw, records = event_file.read_bytes(), 0
+    while raw:  # every record: length, its masked CRC, data, the data's masked CRC (TensorBoard's values)
+        (length,), (length_crc,) = struct.unpack("<Q", raw[:8]), struct.unpack("<I", raw[8:12])
+        data, (data_crc,) = raw[12 : 12 + length], struct.unpack("<I", raw[12 + length : 16 + length])
+        assert length_crc == reference(raw[:8]) and data_crc == reference(data)
+        raw, records = raw[16 + length :], records + 1
+    assert records == 3  # (the file version, the scalar, the image)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == [0.25] and len(acc.Images("picture")) == 1

@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args, device=str(device)) if getattr(module, "LOADS_MODEL", True) else None
     name = getattr(module, "out_name", lambda a, m: (m.run or m.name) if m else args.subcommand)(args, loaded)
     out = prepare_out(args.out, args.subcommand, name, args.overwrite)
+    from vitlab.outputs.tensorboard import fast_event_checksums
+
+    fast_event_checksums()
     writer = SummaryWriter(log_dir=str(out))
     ctx = ProbeContext(args=args, subcommand=args.subcommand, out=out, device=device, writer=writer, loaded=loaded)
     try:
