@@ -25,11 +25,8 @@ stand-in's operations would have taken alone (its rate measured alone, before). 
 - ``checkpoint, Lightning's writer``: a checkpoint of ViT-B/16 with its AdamW state (1.0 GB, as
   ``ModelCheckpoint`` saves one) written by Lightning's ``TorchCheckpointIO`` (pickled into an in-memory buffer,
   then written);
-- ``checkpoint, writer thread``: the same checkpoint as :class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`
-  writes it in its thread (``torch.save`` into the open file; where no child process can write it);
-- ``checkpoint, writer process``: the same checkpoint saved through ``BackgroundCheckpointIO`` with its child
-  process (:mod:`vitlab.checkpoint_process`: the tensors copied into shared memory, pickled and written by the
-  child), as beside a GPU on Linux; the three files' bytes are compared.
+- ``checkpoint, vitlab's writer``: the same checkpoint as :class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`
+  writes it (``torch.save`` into the open file; the same bytes, checked).
 
 A second probe separates the lock from the cores: a thread that sleeps 0.5 ms at a time (using no core worth
 sharing) is late to wake by as long as the work holds the lock ("the lock held"). The busy stand-in's stall also
@@ -199,16 +196,10 @@ def main() -> None:
                                               figures=False),
         })
     if args.only in (None, "checkpoints"):
-        checkpoint, vitlab_io, process_io = vit_b_checkpoint(), BackgroundCheckpointIO(process=False), BackgroundCheckpointIO(process=True)
-
-        def in_process() -> None:
-            process_io.save_checkpoint(checkpoint, out / "process.ckpt")
-            process_io.wait()
-
+        checkpoint, vitlab_io = vit_b_checkpoint(), BackgroundCheckpointIO()
         rows.update({
             "checkpoint, Lightning's writer": lambda: TorchCheckpointIO().save_checkpoint(checkpoint, out / "lightning.ckpt"),
-            "checkpoint, writer thread": lambda: vitlab_io._write(checkpoint, out / "vitlab.ckpt", None),
-            "checkpoint, writer process": in_process,
+            "checkpoint, vitlab's writer": lambda: vitlab_io._write(checkpoint, out / "vitlab.ckpt", None),
         })
     for work in rows.values():  # warm-up (imports, the table worker's child)
         work()
@@ -224,11 +215,9 @@ def main() -> None:
         same = (out / "drift_here.csv").read_bytes() == (out / "drift_worker.csv").read_bytes()
         checks.append(f"the two drift tables {'identical' if same else 'DIFFER'}")
     if (out / "vitlab.ckpt").exists():
-        process_io.teardown()
         size = (out / "vitlab.ckpt").stat().st_size
-        lightning = (out / "lightning.ckpt").read_bytes()
-        same = lightning == (out / "vitlab.ckpt").read_bytes() == (out / "process.ckpt").read_bytes()
-        checks.append(f"the three checkpoints ({size / 2**30:.2f} GiB) {'identical' if same else 'DIFFER'}")
+        same = (out / "lightning.ckpt").read_bytes() == (out / "vitlab.ckpt").read_bytes()
+        checks.append(f"the two checkpoints ({size / 2**30:.2f} GiB) {'identical' if same else 'DIFFER'}")
     shutil.rmtree(out, ignore_errors=True)
     print(f"work of ViT-B/16 beside a stand-in training thread (median of {args.repeats}; 1 torch thread; "
           f"{'; '.join(checks)})")

@@ -92,28 +92,18 @@ def test_a_failed_write_is_raised_at_the_next_call(tmp_path):
     io.teardown()
 
 
-@pytest.mark.parametrize("process", [False, None])
-def test_pinned_buffers_are_reused_for_checkpoints_of_the_same_layout(tmp_path, process):
-    """On a GPU: the host copies go to page-locked buffers reused for every checkpoint of one layout: pinned
-    tensors (``process=False``), or by default on Linux one shared-memory arena registered with CUDA, whose
-    checkpoints the child process writes."""
+def test_pinned_buffers_are_reused_for_checkpoints_of_the_same_layout(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("pinned host buffers are for GPU tensors")
-    from vitlab.checkpoint_process import Arena, available
-
-    io = BackgroundCheckpointIO(process=process)
-    weights, step = torch.randn(64, 64, device="cuda"), torch.tensor(3.0)
-    io.save_checkpoint({"w": weights, "step": step}, tmp_path / "a.ckpt")
+    io = BackgroundCheckpointIO()
+    weights = torch.randn(64, 64, device="cuda")
+    io.save_checkpoint({"w": weights}, tmp_path / "a.ckpt")
     io.wait()
-    ((layout, (buffers,)),) = io._free.items()
-    arena = process is None and available()
-    assert layout[0] is arena and isinstance(buffers, Arena) is arena and io.process_writes == int(arena)
-    views = buffers.views if arena else buffers
-    assert all(view.is_pinned() for view in views if view.numel())
+    (buffers,) = io._free[((tuple(weights.shape), weights.dtype),)]
     weights.mul_(2)
-    io.save_checkpoint({"w": weights, "step": step}, tmp_path / "b.ckpt")
+    io.save_checkpoint({"w": weights}, tmp_path / "b.ckpt")
     io.wait()
-    assert io._free[layout][0] is buffers
+    assert io._free[((tuple(weights.shape), weights.dtype),)][0] is buffers
     assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], weights.cpu())
     io.teardown()
 
@@ -142,97 +132,4 @@ def test_local_files_are_written_straight_to_disk_and_are_lightnings_bytes(tmp_p
     io.save_checkpoint(ckpt, "memory://run/remote.ckpt")  # a remote path: Lightning's writer
     io.wait()
     assert saved == ["memory://run/remote.ckpt"]
-    io.teardown()
-
-
-class Fatal:
-    """Unpickled, it ends the process (as a child that dies while it reads a checkpoint)."""
-
-    def __reduce__(self):
-        import os
-
-        return os._exit, (3,)
-
-
-@pytest.mark.slow
-def test_a_child_process_writes_lightnings_bytes_from_shared_memory(tmp_path, capfd):
-    """``process=True``: the tensors go to the child through shared memory, the rest pickled; the file is the one
-    written in this process, with the values of the moment of the save. A checkpoint the child cannot read (a class
-    it cannot import) is written here, as is one whose child ends while writing it (said in one line); a child that
-    ended is replaced at the next checkpoint."""
-    import sys
-
-    from vitlab import checkpoint_process
-
-    if not checkpoint_process.available():
-        pytest.skip("the checkpoint writer process needs Linux")
-    torch.manual_seed(0)
-    weights = torch.randn(7, 3)
-    ckpt = {"state_dict": {"w": weights, "half": torch.randn(5).to(torch.bfloat16), "mask": torch.rand(4) > 0.5,
-                           "index": torch.arange(6), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)},
-            "optimizer_states": [{"step": torch.tensor(3.0)}], "epoch": 2, "hyper_parameters": {"lr": 1e-3, "names": ["a"]}}
-    expected = {k: v.clone() for k, v in ckpt["state_dict"].items()}
-    here = BackgroundCheckpointIO(process=False)
-    here.save_checkpoint(ckpt, tmp_path / "here.ckpt")
-    here.teardown()
-    io = BackgroundCheckpointIO(process=True)
-    for name in ("child.ckpt", "again.ckpt"):  # (the second reuses the arena)
-        io.save_checkpoint(ckpt, tmp_path / name)
-        weights.add_(1.0)  # the training goes on
-        io.wait()
-        weights.copy_(expected["w"])
-        assert (tmp_path / name).read_bytes() == (tmp_path / "here.ckpt").read_bytes()
-    loaded = torch.load(tmp_path / "child.ckpt", weights_only=True)["state_dict"]
-    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in expected.items())
-    assert io._writer._proc.poll() is None and len(io._free) == 1 and io.process_writes == io.writes == 2
-
-    class Odd:  # what the child cannot import (as a class of a user's training script)
-        pass
-
-    Odd.__module__, Odd.__qualname__ = "__main__", "VitlabTestOdd"
-    setattr(sys.modules["__main__"], "VitlabTestOdd", Odd)
-    try:
-        io.save_checkpoint({**ckpt, "odd": Odd()}, tmp_path / "odd.ckpt")
-        io.wait()
-        odd = torch.load(tmp_path / "odd.ckpt", weights_only=False)
-    finally:
-        delattr(sys.modules["__main__"], "VitlabTestOdd")
-    assert isinstance(odd["odd"], Odd) and torch.equal(odd["state_dict"]["w"], expected["w"]) and io.process_writes == 2
-    assert odd["state_dict"]["w"].untyped_storage().nbytes() == 7 * 3 * 4  # (its own storage, not the arena's)
-    child = io._writer._proc
-    child.kill()  # ended between two checkpoints: the next one starts a new child
-    child.wait()
-    io.save_checkpoint(ckpt, tmp_path / "lost.ckpt")
-    io.wait()
-    assert (tmp_path / "lost.ckpt").read_bytes() == (tmp_path / "here.ckpt").read_bytes()
-    io.save_checkpoint({**ckpt, "fatal": Fatal()}, tmp_path / "fatal.ckpt")  # ends the child while it reads it
-    io.wait()  # (written by this process instead, said in one line)
-    assert "checkpoint writer process ended (exit code 3) before writing" in capfd.readouterr().err
-    assert (tmp_path / "fatal.ckpt").exists() and io.writes == 5 and io.process_writes == 3
-    io.save_checkpoint(ckpt, tmp_path / "lost.ckpt")  # a new child
-    io.wait()
-    assert (tmp_path / "lost.ckpt").read_bytes() == (tmp_path / "here.ckpt").read_bytes() and io.process_writes == 4
-    child = io._writer._proc
-    io.teardown()
-    assert child.poll() == 0 and io._free == {}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.ckpt", "child.ckpt", "fatal.ckpt", "here.ckpt", "lost.ckpt",
-                                                           "odd.ckpt"]
-
-
-def test_without_usable_shared_memory_the_thread_writes(tmp_path, monkeypatch):
-    """Shared memory that cannot be made (or that CUDA cannot page-lock) leaves the writing to the thread, for the
-    rest of the run, and the file is the same."""
-    from vitlab import checkpoint_process
-
-    def refuse(self, layout, pin):
-        raise OSError("memfd_create: operation not permitted")
-
-    monkeypatch.setattr(checkpoint_process.Arena, "__init__", refuse)
-    ckpt = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 1}
-    io = BackgroundCheckpointIO(process=True)
-    for name in ("a.ckpt", "b.ckpt"):
-        io.save_checkpoint(ckpt, tmp_path / name)
-        io.wait()
-    assert io._no_arena and io.process_writes == 0 and io.writes == 2
-    assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["state_dict"]["w"], torch.arange(6.0))
     io.teardown()

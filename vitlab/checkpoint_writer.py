@@ -12,10 +12,7 @@ thread, which
    covers is on disk, the figures still pending are listed in it, the loggers are flushed
    (:class:`vitlab.callbacks.RuntimeCallback`), so a run killed at any moment and resumed from this checkpoint
    misses nothing,
-3. writes the file as Lightning's own writer does (atomically; the same bytes): on Linux the pinned buffers are
-   shared memory and a child process pickles and writes the checkpoint (:mod:`vitlab.checkpoint_process`:
-   pickling holds the interpreter's lock, which the training thread needs at every launch); elsewhere, or for a
-   checkpoint the child cannot read, ``torch.save`` in this thread,
+3. writes the file as Lightning's own writer does (atomically),
 
 and removes checkpoints in the same order, after the writes queued before (a ``ModelCheckpoint`` that replaces
 its best never leaves a moment with neither). At most ``max_pending`` writes wait: a disk slower than the epochs
@@ -36,8 +33,6 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.apply_func import apply_to_collection
 from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
 
-from vitlab.checkpoint_process import Arena
-
 
 class BackgroundCheckpointIO(_WrappingCheckpointIO):
     """Writes checkpoints on a background thread from a host copy taken when they are saved.
@@ -48,33 +43,25 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
             copied and before it is written; may wait, and may change the copy's plain values.
         max_pending: Writes (and removals) that may wait before a new save waits for the oldest (default: two
             epochs of a best and a last checkpoint).
-        process: Pickle and write local files in a child process, the tensors passed in shared memory
-            (:mod:`vitlab.checkpoint_process`: ``torch.save``'s pickling holds the interpreter's lock, which the
-            training thread needs at every launch); ``None`` (default): for checkpoints with GPU tensors, on Linux.
     """
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, settle: Callable[[dict[str, Any]], None] | None = None,
-                 max_pending: int = 4, process: bool | None = None) -> None:
+                 max_pending: int = 4) -> None:
         super().__init__(checkpoint_io or TorchCheckpointIO())
         self.settle = settle
         self.max_pending = max(1, max_pending)
-        from vitlab import checkpoint_process
-
-        self.process = process
-        self._writer = checkpoint_process.CheckpointProcess() if process is not False and checkpoint_process.available() else None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: deque[Future] = deque()
         self._error: BaseException | None = None
-        self._free: dict[tuple, list[Any]] = {}  # pinned buffer sets / arenas by layout, ready for reuse
+        self._free: dict[tuple, list[list[torch.Tensor]]] = {}  # pinned buffer sets by layout, ready for reuse
         self._lock = threading.Lock()
-        self.writes = self.process_writes = 0  # files written; of them, by the child process
-        self._no_arena = False  # CUDA could not page-lock shared memory here: no child process
+        self.writes = 0
 
     # -------------------------------------------------------------------------------------------------- saving
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         self._raise_error()
         self._wait_pending(self.max_pending - 1)
-        host, buffers, layout, event = self._host_copy(checkpoint, in_process=self._local(path, storage_options))
+        host, buffers, layout, event = self._host_copy(checkpoint)
 
         def write() -> None:
             try:
@@ -82,17 +69,12 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
                     event.synchronize()
                 if self.settle is not None:
                     self.settle(host)
-                if not isinstance(buffers, Arena):
-                    self._write(host, path, storage_options)
-                elif self._writer.write(buffers, host, path):
-                    self.process_writes += 1
-                else:  # (the child could not read it: written here)
-                    self._write(buffers.own_copies(host), path, storage_options)
+                self._write(host, path, storage_options)
                 self.writes += 1
             except BaseException as exc:  # noqa: BLE001  (raised in the training thread at its next call)
                 self._error = self._error or exc
             finally:
-                if isinstance(buffers, Arena) or buffers:
+                if buffers:
                     with self._lock:
                         self._free.setdefault(layout, []).append(buffers)
 
@@ -115,23 +97,13 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         try:
             self.wait()
         finally:
-            if self._writer is not None:  # (before its thread ends: the kernel ends a child with the thread that started it)
-                self._writer.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            for sets in self._free.values():
-                for buffers in sets:
-                    if isinstance(buffers, Arena):
-                        buffers.close()
             self._free.clear()
             super().teardown()
 
     # ------------------------------------------------------------------------------------------------- helpers
-    def _local(self, path: Any, storage_options: Any | None) -> bool:
-        """Whether this file is written by torch.save here (Lightning's plain writer, a local path)."""
-        return type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
-
     def _write(self, host: dict[str, Any], path: Any, storage_options: Any | None) -> None:
         """Lightning's writer, or for its plain writer and a local path the same file written straight to disk.
 
@@ -139,7 +111,7 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         growing that buffer, and copying it out, holds the interpreter's lock for much of the write, and the
         training thread on the GPU waits for that lock at every launch. ``torch.save`` into an open file writes
         the same bytes (tested) and holds the lock about a fifth as long (``benchmarks/bench_beside_training.py``)."""
-        if not self._local(path, storage_options):
+        if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or "://" in str(path):
             self.checkpoint_io.save_checkpoint(host, path, storage_options=storage_options)
             return
         from vitlab.outputs.files import atomic_path
@@ -163,40 +135,26 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         if error is not None:
             raise error
 
-    def _host_copy(self, checkpoint: dict[str, Any], in_process: bool = False) -> tuple[dict[str, Any], Any, tuple, Any]:
+    def _host_copy(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor], tuple, Any]:
         """A copy of ``checkpoint`` whose tensors live in host memory: GPU tensors copied (queued, non-blocking) to
         pinned buffers reused across checkpoints of the same layout, host tensors cloned (the optimiser updates
-        some in place, e.g. its step counts), other values copied as they are. When the file goes to the child
-        process (``in_process`` and the writer's rule), every tensor is copied into a reused :class:`Arena` instead."""
+        some in place, e.g. its step counts), other values copied as they are."""
         tensors: list[torch.Tensor] = []
         apply_to_collection(checkpoint, torch.Tensor, tensors.append)
         on_gpu = [t for t in tensors if t.is_cuda]
-        arena = (in_process and self._writer is not None and not self._no_arena
-                 and (self.process is True or (self.process is None and bool(on_gpu))))
-        stored = tensors if arena else on_gpu
-        layout = (arena, *((tuple(t.shape), t.dtype) for t in stored))
+        layout = tuple((tuple(t.shape), t.dtype) for t in on_gpu)
         with self._lock:
             sets = self._free.get(layout)
             buffers = sets.pop() if sets else None
-        if buffers is None and arena:
-            try:
-                buffers = Arena([(tuple(t.shape), t.dtype) for t in stored], pin=bool(on_gpu))
-            except OSError:  # (no anonymous shared memory here)
-                buffers = None
-            if buffers is None or not buffers.usable:  # (or CUDA cannot page-lock it: pinned buffers, written here)
-                if buffers is not None:
-                    buffers.close()
-                self._no_arena = True
-                return self._host_copy(checkpoint, in_process=False)
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_gpu]
-        targets = iter(buffers.views if isinstance(buffers, Arena) else buffers)
+        targets = iter(buffers)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            if not (t.is_cuda or arena):
+            if not t.is_cuda:
                 return t.detach().clone()
             target = next(targets)
-            target.copy_(t.detach(), non_blocking=t.is_cuda)
+            target.copy_(t.detach(), non_blocking=True)
             return target
 
         host = apply_to_collection(checkpoint, torch.Tensor, copy)
