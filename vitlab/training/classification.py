@@ -105,7 +105,7 @@ class ClassificationModule(TaskModule):
         on_step = stage == "train"
         # (not prog_bar: Lightning reads such values off the device after every batch; vitlab.callbacks.LogStepProgressBar
         # shows the loss at the logging steps)
-        self.log(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, batch_size=len(labels), sync_dist=not on_step)
+        self.log_batch(f"{stage}/loss", loss, on_step=on_step, on_epoch=True, batch_size=len(labels), sync_dist=not on_step)
         return loss
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:

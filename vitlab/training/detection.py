@@ -65,7 +65,7 @@ class DetectionModule(TaskModule):
         losses = self.model(list(images), targets)
         loss = sum(losses.values())
         batch_size = len(images)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=batch_size)
+        self.log_batch("train/loss", loss, on_step=True, on_epoch=True, batch_size=batch_size)
         self.log_dict({f"train/{k}": v for k, v in losses.items()}, on_step=False, on_epoch=True, batch_size=batch_size)
         return loss
 

@@ -182,10 +182,10 @@ class DINOModule(TaskModule):
             probs = torch.softmax((torch.stack(teacher) - center) / temp, dim=-1)  # (2, B, K)
         loss = self.criterion(teacher, student, teacher_temp=temp)
         n = len(images)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=n)
-        self.log("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
-        self.log("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
-        self.log("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log_batch("train/loss", loss, on_step=True, on_epoch=True, batch_size=n)
+        self.log_batch("dino/teacher_entropy", entropy(probs).mean(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log_batch("dino/teacher_entropy_mean", entropy(probs.mean(dim=(0, 1))), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log_batch("dino/center_norm", self.criterion.center.norm(), on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
         return loss
 
     def on_train_epoch_start(self) -> None:

@@ -123,7 +123,7 @@ class SegmentationModule(TaskModule):
         images, targets = batch
         mask = torch.stack([t["mask"] for t in targets])  # (B, H, W)
         loss = self._loss(self(images), mask)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(images))
+        self.log_batch("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(images))
         return loss
 
     def update_metrics(self, stage: str, logits: torch.Tensor, mask: torch.Tensor) -> None:
@@ -147,7 +147,7 @@ class SegmentationModule(TaskModule):
         images, targets = batch
         mask = torch.stack([t["mask"] for t in targets])
         logits = self.predict_logits(images)
-        self.log("val/loss", self._loss(logits, mask), on_epoch=True, batch_size=len(images))
+        self.log_batch("val/loss", self._loss(logits, mask), on_epoch=True, batch_size=len(images))
         self.update_metrics("val", logits, mask)
         if batch_idx == 0 and self.hparams.grid_images:
             n = self.hparams.grid_images
