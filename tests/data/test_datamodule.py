@@ -434,3 +434,22 @@ def test_no_non_finite_tensor_reaches_a_batch(tmp_path, on_bad_file):
     warned = [str(w.message) for w in caught if w.category is SkippedFileWarning]
     assert len(warned) == 1 and str(white) in warned[0] and "non-finite" in warned[0], warned
     assert dm.skipped_files == 1 and dm.bad_paths == {str(white)}
+
+
+def test_the_finite_check_finds_every_non_finite_value_and_passes_sums_that_overflow():
+    """finite_tensor clears a tensor by its sum and checks a non-finite sum element by element: a NaN, +inf, -inf or
+    both infinities (whose sum is NaN) anywhere are found; finite values whose float32 sum overflows pass."""
+    from vitlab.data.datasets.images import finite_tensor
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(1, 16, 16), (3, 33, 17)]:
+        clean = torch.randn(shape, generator=generator)
+        assert finite_tensor("a.png", clean) is clean
+        for bad in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
+            tensor = clean.clone().flatten()
+            places = torch.randperm(tensor.numel(), generator=generator)[: len(bad)]
+            tensor[places] = torch.tensor(bad)
+            with pytest.raises(ImageReadError, match=rf"a.png: {len(bad)} non-finite"):
+                finite_tensor("a.png", tensor.view(shape))
+    huge = torch.full((3, 8, 8), 3e38)
+    assert not torch.isfinite(huge.sum()) and finite_tensor("a.png", huge) is huge
