@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
@@ -218,10 +217,10 @@ def finite_tensor(path: object, tensor: torch.Tensor) -> torch.Tensor:
     The last guard before a batch: the readers return finite images in [0, 1], but a transform (a user's, or
     Normalize with a tiny std) can still make NaN or infinity, and one such value makes a whole run's loss NaN.
     """
-    # a NaN or an infinity anywhere makes the sum non-finite, so a finite sum clears the tensor in one pass (about 20x
+    # a NaN or an infinity anywhere makes the sum non-finite, so a finite sum clears the tensor in one pass (about 17x
     # faster than an element-wise check on a 224 px image); a non-finite sum (or finite values whose sum overflows) is
     # checked element by element
-    if math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all()):
+    if bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all()):
         return tensor
     bad = int((~torch.isfinite(tensor)).sum())
     raise ImageReadError(
