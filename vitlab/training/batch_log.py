@@ -1,4 +1,4 @@
-"""``self.log`` of a value every batch, at a twentieth of its host cost: the same values, the same logs.
+"""``self.log`` of a value every batch at about a fifteenth of its host cost: the same values, the same logs.
 
 Lightning's ``LightningModule.log`` checks its arguments, builds the value's metadata, compares it with the stored
 one, moves the stored result to the value's device (a walk over the result object's attributes, copying its
