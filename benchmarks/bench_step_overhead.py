@@ -15,13 +15,17 @@ own process, one after the other, ``--repeats`` times (the fastest of each repor
    monitor), two checkpointers, the run-time callback, TensorBoard logging every 5 steps and the progress bar;
    ``--workers``: loader worker processes (0: batches made in the training process).
 
-The fit's process then runs the bare loop again on the fit's own network, with the same parameter groups, so the
-two are also compared in one process under the same load (the figure to trust on a shared machine).
+The fit's process also runs a bare step on a copy of its network (same parameter groups) just before each timed
+step, and the benchmark reports the median of the paired differences: the figure to trust on a shared machine,
+whose speed drifts by tens of percent from minute to minute, so that runs minutes apart differ more than the
+framework's cost. After the fit it runs the bare loop again on the fit's own network, in the same process.
 
 It prints the median time per step of each (the fit's step: from one ``on_train_batch_start`` to the next, in the
 second epoch, so epoch ends and the first steps are left out), the difference (vitlab's cost per step), and that
 difference split into the batch fetch (the loader in the training process: collate, no augmentation), the step
-itself (forward, backward, optimizer, per-step hooks) and the rest (Lightning's loop, logging, progress bar).
+itself (forward, backward, optimizer, per-step hooks) and the rest (Lightning's loop, logging, progress bar). It
+also prints the training thread's CPU time per step on both sides: the figure that stays put when other jobs share
+the cores, since time spent waiting for a core is not counted.
 
 Goal: the difference <= 2 ms per step.
 """
@@ -42,9 +46,8 @@ MODEL = {"model_name": "vit_tiny_patch16_224",
 BATCH = 2
 
 BARE_LOOP = r"""
-def bare_median(model, model_cfg, batch, steps, warmup):
-    # median seconds of forward + backward + AdamW (the same parameter groups) on one random batch in memory
-    import statistics, time
+def bare_step(model, model_cfg, batch):
+    # one step of forward + backward + AdamW (the same parameter groups) on one random batch in memory
     import torch
     from vitlab.models import parameter_groups
     opt = torch.optim.AdamW(parameter_groups(model, weight_decay=0.05, layer_decay=model_cfg.get("layer_decay")), lr=1e-3)
@@ -54,14 +57,22 @@ def bare_median(model, model_cfg, batch, steps, warmup):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return step
+
+def bare_median(model, model_cfg, batch, steps, warmup):
+    # median seconds of forward + backward + AdamW (the same parameter groups) on one random batch in memory:
+    # (wall clock, this thread's CPU time)
+    import statistics, time
+    step = bare_step(model, model_cfg, batch)
     for _ in range(warmup):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpu.append(time.thread_time() - start_cpu)
+    return statistics.median(times), statistics.median(cpu)
 """
 
 BARE = BARE_LOOP + r"""
@@ -74,24 +85,49 @@ from vitlab.models import build_model
 model_cfg = json.loads(sys.argv[3])
 torch.manual_seed(0)
 model = build_model(model_cfg["model_name"], num_classes=2, in_chans=1, **model_cfg["model_kwargs"])
-print("RESULT " + json.dumps({"step_s": bare_median(model, model_cfg, int(sys.argv[4]), int(sys.argv[1]), 20)}))
+wall, cpu = bare_median(model, model_cfg, int(sys.argv[4]), int(sys.argv[1]), 20)
+print("RESULT " + json.dumps({"step_s": wall, "cpu_s": cpu}))
 """
 
 FIT = BARE_LOOP + r"""
-import collections, functools, json, statistics, sys, time
+import collections, functools, json, os, statistics, sys, time
 from vitlab.runtime import prepare_process
 prepare_process()
 import pytorch_lightning as pl
 from pytorch_lightning.loops import fetchers
 
+def plain_step(*args):
+    # a bare step as in a process without Lightning, which sets PYTORCH_NVML_BASED_CUDA_CHECK=1 for the whole process
+    step = bare_step(*args)
+    def plain():
+        nvml = os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        try:
+            step()
+        finally:
+            if nvml is not None:
+                os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
+    return plain
+
 class StepTimer(pl.Callback):
+    # times the second epoch's steps; before each, one bare step on a copy of the fit's network (the paired figure)
     def __init__(self):
-        self.starts, self.inside, self.fetch = [], [], []
+        self.starts, self.cpu_starts, self.inside, self.fetch, self.bare, self.bare_cpu = [], [], [], [], [], []
         self._start = None
+    def on_train_start(self, trainer, pl_module):
+        import copy
+        self._bare_step = plain_step(copy.deepcopy(pl_module.model).train(), json.loads(os.environ["BENCH_MODEL"]),
+                                    int(os.environ["BENCH_BATCH"]))
+        for _ in range(10):
+            self._bare_step()
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.current_epoch == 1:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            self._bare_step()
             self._start = time.perf_counter()
-            self.starts.append(self._start)
+            self.bare.append(self._start - start)
+            self.bare_cpu.append(time.thread_time() - start_cpu)
+            self.starts.append(start)
+            self.cpu_starts.append(start_cpu)
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.current_epoch == 1 and self._start is not None:
             self.inside.append(time.perf_counter() - self._start)
@@ -128,16 +164,22 @@ if os.environ.get("BENCH_CPROFILE"):  # the second epoch's steps under cProfile:
 from vitlab.cli import fit
 cli = fit(sys.argv[1:])
 timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
-cycles = [b - a for a, b in zip(timer.starts, timer.starts[1:])][5:]
+# the fit's step: from one batch start to the next, less the bare step run there
+cycles = [b - a - bare for a, b, bare in zip(timer.starts, timer.starts[1:], timer.bare)][5:]
+cpu_cycles = [b - a - bare for a, b, bare in zip(timer.cpu_starts, timer.cpu_starts[1:], timer.bare_cpu)][5:]
+paired = [cycle - bare for cycle, bare in zip(cycles, timer.bare[5:])]  # each step against the bare step beside it
+paired_cpu = [cycle - bare for cycle, bare in zip(cpu_cycles, timer.bare_cpu[5:])]
 
 # the bare loop again in this process, right after the fit (same interpreter, threads, allocator and load)
-bare_same = bare_median(cli.model.model.train(), json.loads(os.environ["BENCH_MODEL"]), int(os.environ["BENCH_BATCH"]),
+bare_same, bare_same_cpu = bare_median(cli.model.model.train(), json.loads(os.environ["BENCH_MODEL"]), int(os.environ["BENCH_BATCH"]),
                         len(cycles), 10)
 steps_per_epoch = len(timer.starts)
 fetch = fetch_times[steps_per_epoch + 5 : 2 * steps_per_epoch]  # the second epoch's fetches
-print("RESULT " + json.dumps({"step_s": statistics.median(cycles), "inside_s": statistics.median(timer.inside[5:]),
+print("RESULT " + json.dumps({"step_s": statistics.median(cycles), "cpu_s": statistics.median(cpu_cycles),
+                              "paired_s": statistics.median(paired), "paired_cpu_s": statistics.median(paired_cpu),
+                              "bare_beside_s": statistics.median(timer.bare[5:]), "inside_s": statistics.median(timer.inside[5:]),
                               "fetch_s": statistics.median(fetch), "steps": len(cycles),
-                              "bare_same_process_s": bare_same}))
+                              "bare_same_process_s": bare_same, "bare_same_process_cpu_s": bare_same_cpu}))
 """
 
 
@@ -214,6 +256,15 @@ def main() -> None:
     print(f"  bare, same process after the fit: {same * 1e3:6.2f} ms/step; the fit's step = {best['step_s'] / same:4.2f}x it "
           "(the side-by-side figure: same interpreter, threads and machine load)")
     print(f"  difference       : {diff * 1e3:6.2f} ms/step  (goal <= 2 ms)")
+    paired = min(r["paired_s"] for r in fit_runs)
+    paired_cpu = min(r["paired_cpu_s"] for r in fit_runs)
+    print(f"  paired difference: {paired * 1e3:6.2f} ms/step wall, {paired_cpu * 1e3:.2f} ms CPU  (goal <= 2 ms; the "
+          "median over steps of each fit step less a bare step run just before it on a copy of the network: the "
+          "figure that drift in the machine's speed leaves alone)")
+    bare_cpu, fit_cpu = min(r["cpu_s"] for r in bare_runs), min(r["cpu_s"] for r in fit_runs)
+    print(f"  training thread's CPU time per step (the load-robust figure: a busy machine delays a step but does not "
+          f"add to it): bare {bare_cpu * 1e3:.2f} ms, vitlab fit {fit_cpu * 1e3:.2f} ms, difference "
+          f"{(fit_cpu - bare_cpu) * 1e3:.2f} ms (same process: {(best['cpu_s'] - best['bare_same_process_cpu_s']) * 1e3:.2f} ms)")
     where = "from the worker" if args.workers else "in the training process: read from memory, collate"
     print(f"    batch fetch    : {best['fetch_s'] * 1e3:6.2f} ms ({where})")
     print(f"    step - bare    : {(best['inside_s'] - bare) * 1e3:6.2f} ms (training_step, backward, optimizer, per-step hooks)")

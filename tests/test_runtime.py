@@ -323,3 +323,31 @@ def test_an_old_config_trains_with_one_warning_line(tiny_dataset, tmp_path):
                       "configs keep working for now, but rename it"], run.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "tiny" / "version_0" / "config.yaml").read_text())
     assert saved["runtime"]["workers"] == 1 and "num_workers" not in saved["data"]
+
+
+@pytest.mark.parametrize("loads", [False, True])
+def test_lightnings_nvml_check_is_dropped_only_where_nvml_cannot_load(loads, monkeypatch):
+    """Without NVIDIA's driver torch's NVML-based check searches for the library at every call and falls back to
+    the CUDA runtime's count: dropping it keeps the answer. Where NVML loads, the variable stays."""
+    import ctypes
+
+    import vitlab.runtime as runtime
+
+    real = ctypes.CDLL
+
+    def cdll(name, *args, **kwargs):
+        if name == "libnvidia-ml.so.1":
+            if not loads:
+                raise OSError(f"{name}: cannot open shared object file")
+            return object()
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    available = torch.cuda.is_available()
+    assert runtime.nvml_cuda_check() is (not loads)
+    assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == (None if not loads else "1")
+    monkeypatch.setattr(ctypes, "CDLL", real)
+    assert torch.cuda.is_available() == available
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    assert runtime.nvml_cuda_check() is False and "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from vitlab.runtime import Runtime, available_cores, frozen_heap, prepare_process, prepare_training
+from vitlab.runtime import Runtime, available_cores, frozen_heap, nvml_cuda_check, prepare_process, prepare_training
 
 prepare_process()  # before torch is imported (by Lightning, below)
 
@@ -136,6 +136,7 @@ class VitlabCLI(LightningCLI):
         self.runtime = Runtime(**self.config.runtime).resolved(gpu)
         self.runtime.apply()
         prepare_training((self.config.get("data") or {}).get("sample"))  # freed memory kept for 3-D volumes
+        nvml_cuda_check()  # no failed NVML search at every optimiser step on a machine without NVIDIA's driver
         self.runtime_line = self.runtime.describe(available_cores(), gpu)  # printed once the run is set up
         self._recipe = cli_support.clean_recipe(self.config)
         self._recipe.runtime.threads, self._recipe.runtime.workers = self.runtime.threads, self.runtime.workers

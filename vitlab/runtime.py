@@ -29,7 +29,7 @@ from typing import Any, Literal
 from vitlab.figure_worker import FIGURE_MODES, PENDING_BYTES, FigureWorker, figure_worker, serve
 
 __all__ = ["FIGURE_MODES", "PENDING_BYTES", "FigureWorker", "Runtime", "available_cores", "figure_worker", "frozen_heap",
-           "keep_freed_memory", "prepare_process", "prepare_training", "serve"]
+           "keep_freed_memory", "nvml_cuda_check", "prepare_process", "prepare_training", "serve"]
 
 MMAP_THRESHOLD = 256 << 20  # bytes: blocks up to this size are served from (and freed back to) the heap
 TRIM_THRESHOLD = 512 << 20  # bytes of free heap top kept for reuse instead of being returned to the kernel
@@ -80,6 +80,28 @@ def prepare_training(sample: str | None) -> bool:
     """``train.py``'s allocator: :func:`keep_freed_memory` for a run on 3-D volumes (``data.sample: volume``), where
     it was measured to help; glibc's defaults otherwise. Returns whether freed memory is kept."""
     return keep_freed_memory() if sample == "volume" else False
+
+
+def nvml_cuda_check() -> bool:
+    """Drop Lightning's NVML-based CUDA check (``PYTORCH_NVML_BASED_CUDA_CHECK=1``) where NVML cannot be loaded.
+
+    Lightning sets that variable at import so that ``torch.cuda.is_available()`` asks NVML instead of initialising
+    CUDA before worker processes fork. On a machine without NVIDIA's driver (a CUDA build of torch on a CPU-only
+    machine, the usual pip install) torch then tries to load ``libnvidia-ml.so.1`` at every call, fails and falls
+    back to the CUDA runtime's count, which is what it asks without the variable: the same answer after a failed
+    library search. torch's optimisers ask at every ``step()`` (their graph-capture check), and that search cost
+    0.05-0.24 ms a training step on 2 cores (``benchmarks/bench_step_overhead.py``). Where NVML loads (a machine with
+    a GPU driver) the variable is kept. Returns whether it was dropped."""
+    if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") != "1":
+        return False
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")  # the library torch's check loads (torch.cuda._raw_device_count_nvml)
+    except OSError:
+        del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        return True
+    return False
 
 
 def available_cores() -> int:
