@@ -237,13 +237,24 @@ def test_loader_workers_never_change_the_numbers(tiny_dataset, tmp_path, capfd, 
 
     from tests.helpers.runs import TINY_SWIN, tiny_args
 
+    from vitlab.data.sampling import EpochLoader
+
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    started, start_epoch = [], EpochLoader.start_epoch  # the workers' early start on epoch 1 (none with 0 workers)
+
+    def counted(self, epoch):
+        started.append((self.num_workers, epoch, start_epoch(self, epoch)))
+        return started[-1][-1]
+
+    monkeypatch.setattr(EpochLoader, "start_epoch", counted)
     kwargs = json.dumps({**TINY_SWIN["model_kwargs"], "drop_path_rate": 0.2})
     outputs = []
     for workers in (0, 1, 2):
         extra = ["--model.model_kwargs", kwargs, "--runtime.workers", str(workers), "--trainer.max_epochs", "2"]
         outputs.append(_fit_outputs(tiny_args(tiny_dataset, tmp_path / f"workers{workers}", extra=extra))[1:])
         assert f"{workers} loader worker(s)" in capfd.readouterr().err
+    # after epoch 0's last batch only (epoch 1 is the last), started with persistent workers only
+    assert started == [(0, 1, False), (1, 1, True), (2, 1, True)]
     (snapshots, scalars), *others = outputs
     assert len(snapshots) == 3 and len(scalars) > 10
     for other_snapshots, other_scalars in others:

@@ -7,6 +7,10 @@ them fails here, by name, rather than as a resumed run with a missing or doubled
   in ``on_train_epoch_end`` (Lightning writes them only after that hook) and never again for the same epoch;
 - a checkpoint's ``loops/fit_loop/epoch_loop.state_dict/_batches_that_stepped``: the step a resumed run continues
   at (``checkpoint_logging_step``, the TensorBoard purge step).
+
+``vitlab.callbacks.runtime.start_next_epoch`` reads ``trainer.fit_loop._combined_loader.flattened`` (the training
+loaders), ``fit_loop.epoch_loop.batch_progress.is_last_batch`` and ``fit_loop.epoch_progress.current.processed``;
+``tests/test_runtime.py``'s loader-workers test pins them (a fit whose workers start epoch 1 early, once).
 """
 
 from __future__ import annotations

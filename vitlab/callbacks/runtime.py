@@ -38,6 +38,10 @@ class RuntimeCallback(pl.Callback):
     Before a checkpoint is written the epoch's ``train/*`` metrics and the loggers are flushed
     (:func:`settle_outputs`): every scalar at or below its step is on disk.
 
+    **The next epoch's batches during this epoch's end.** After an epoch's last training batch it restarts the
+    training loaders' persistent workers on the next epoch (:func:`start_next_epoch`), so that epoch's first batch is
+    made while this one validates, runs its epoch-end callbacks and checkpoints: the same batches, made earlier.
+
     **Checkpoints beside a GPU.** When the run trains on a GPU (one device or DDP) with Lightning's own checkpoint
     writer, checkpoints are written by :class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`: the training
     thread only queues copies to pinned host memory, and a background thread writes each file once the Q/K/V
@@ -216,6 +220,8 @@ class RuntimeCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._paused(False)
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            start_next_epoch(trainer)
 
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._paused(True)
@@ -250,6 +256,24 @@ class RuntimeCallback(pl.Callback):
             from vitlab.callbacks.base import flush_and_close
 
             flush_and_close(worker, raise_errors)
+
+
+def start_next_epoch(trainer: pl.Trainer) -> bool:
+    """After an epoch's last training batch: the training loaders' persistent workers begin the next epoch's
+    batches now (:class:`vitlab.data.sampling.EpochLoader`), during the validation, epoch-end callbacks and
+    checkpoints, instead of when that epoch starts. Nothing when no epoch follows (``max_epochs``, ``max_steps``,
+    a stop requested) or when the loaders are made again each epoch. Returns whether any loader started."""
+    from vitlab.data.sampling import EpochLoader
+
+    loop = trainer.fit_loop
+    next_epoch = loop.epoch_progress.current.processed + 1
+    if (trainer.should_stop or trainer.reload_dataloaders_every_n_epochs
+            or (trainer.max_epochs is not None and trainer.max_epochs >= 0 and next_epoch >= trainer.max_epochs)
+            or (trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)):
+        return False
+    combined = getattr(loop, "_combined_loader", None)
+    loaders = combined.flattened if combined is not None else []
+    return any([loader.start_epoch(next_epoch) for loader in loaders if isinstance(loader, EpochLoader)])
 
 
 def figure_state(tag: str, step: int, ordinal: int, figure: Any) -> dict[str, Any]:

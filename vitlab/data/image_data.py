@@ -22,7 +22,7 @@ from vitlab.data.layouts import (SPLITS, UNLABELLED, Sample, check_files, check_
                                  training_only, warn_unlabelled_overlap)
 from vitlab.data.readers.image import ImageReader
 from vitlab.data.readers.options import ReadOptions
-from vitlab.data.sampling import EpochSampler, KeyedAugmentation
+from vitlab.data.sampling import EpochLoader, EpochSampler, KeyedAugmentation
 from vitlab.data.synthetic import embedded as embedded_sets  # (looked up at call time: tests replace them)
 from vitlab.data.synthetic.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, single_opencv_thread, train_transform
@@ -353,7 +353,7 @@ class ImageData:
         single_opencv_thread()  # (here, before any worker forks)
         # validation / test volumes of their own sizes: one per batch (sliding-window inference)
         whole = not train and self.volume_options is not None and self.volume_options.own_size
-        return DataLoader(
+        return (EpochLoader if train else DataLoader)(
             dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
             # worker seeds from a generator of the loader's own, not torch's global stream: 0 workers (an iterator
