@@ -89,9 +89,10 @@ def nvml_cuda_check() -> bool:
     CUDA before worker processes fork. On a machine without NVIDIA's driver (a CUDA build of torch on a CPU-only
     machine, the usual pip install) torch then tries to load ``libnvidia-ml.so.1`` at every call, fails and falls
     back to the CUDA runtime's count, which is what it asks without the variable: the same answer after a failed
-    library search. torch's optimisers ask at every ``step()`` (their graph-capture check), and that search cost
-    0.05-0.24 ms a training step on 2 cores (``benchmarks/bench_step_overhead.py``). Where NVML loads (a machine with
-    a GPU driver) the variable is kept. Returns whether it was dropped."""
+    library search. torch's optimisers ask at every ``step()`` (their graph-capture check), and in a fit's process
+    that search cost 0.27 ms an AdamW step (2 cores, steps with and without the variable alternating;
+    ``docs/performance.md``). Where NVML loads (a machine with a GPU driver) the variable is kept. Returns whether it
+    was dropped."""
     if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") != "1":
         return False
     import ctypes

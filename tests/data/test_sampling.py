@@ -133,3 +133,27 @@ def test_an_epoch_loader_cut_short_with_batches_in_the_making_starts_at_iteratio
     for each in (loader, plain):
         _set_sampler_epoch(each, 1)
     assert _same(_batches(loader), _batches(plain))
+
+
+def test_an_epoch_loader_remade_for_distributed_training_starts_early_too():
+    """Lightning remakes a training loader around its distributed sampler (same class, same arguments): the remade
+    loader is an EpochLoader whose early start loads what the loop's own start of that epoch would."""
+    from pytorch_lightning.utilities.data import _update_dataloader
+
+    from vitlab.data.sampling import EpochLoader
+
+    remade = []
+    for _ in range(2):
+        loader = _epoch_loader(workers=1)
+        remade.append(_update_dataloader(loader, DistributedSamplerWrapper(loader.sampler, num_replicas=1, rank=0, shuffle=False)))
+    early, plain = remade
+    assert type(early) is EpochLoader and isinstance(early.sampler, DistributedSamplerWrapper)
+    for loader in (early, plain):
+        _set_sampler_epoch(loader, 0)
+        _batches(loader)
+    assert early.start_epoch(1) and early.sampler.epoch == 1
+    running = early._iterator
+    for loader in (early, plain):
+        _set_sampler_epoch(loader, 1)
+    assert iter(early) is running
+    assert _same(_batches(early), _batches(plain))
