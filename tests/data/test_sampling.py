@@ -94,8 +94,10 @@ def test_an_epoch_loader_started_early_hands_over_the_batches_that_epoch_would_l
         type(running)._reset = lambda self, *a, **k: resets.append(1) or original(self, *a, **k)
         for loader in (early, plain):
             _set_sampler_epoch(loader, 1)  # what Lightning's fit loop does at the epoch's start
-        assert iter(early) is running and resets == []
-        second = _batches(early)
+        handed = iter(early)
+        assert handed is running
+        second = _batches(handed)  # (the handed-over iterator's batches, not restarted)
+        assert resets == []
     finally:
         type(running)._reset = original
     expected = _batches(plain)
@@ -155,5 +157,6 @@ def test_an_epoch_loader_remade_for_distributed_training_starts_early_too():
     running = early._iterator
     for loader in (early, plain):
         _set_sampler_epoch(loader, 1)
-    assert iter(early) is running
-    assert _same(_batches(early), _batches(plain))
+    handed = iter(early)
+    assert handed is running
+    assert _same(_batches(handed), _batches(plain))
