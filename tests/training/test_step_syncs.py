@@ -129,7 +129,7 @@ def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset,
 
     monkeypatch.setattr(pl.LightningModule, "log", log)
     # torch's NVML-based CUDA check, as Lightning sets it: on a machine without NVIDIA's driver the fit drops it, so
-    # the optimiser's check at every step does not search for the NVML library again (0.05-0.24 ms a step)
+    # the optimiser's check at every step does not search for the NVML library again (about 0.27 ms a step)
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     nvml_searches, steps_seen = [], []
     original_nvml = torch.cuda._raw_device_count_nvml
