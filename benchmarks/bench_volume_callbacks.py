@@ -15,9 +15,9 @@ Neither epoch is run in full: one training step is timed and multiplied by the s
         would make the epoch 4x longer and the share 4x smaller); the step is the fastest of ``--full-repeats``
         after one warm-up step (about 40 s each on 2 CPU cores).
 Each callback is timed without figures and with them, drawn as a run's figure worker draws them: each figure built
-once (the first figure epoch, after the worker's warm-up) and kept, later figure epochs updating it. Figures are
-drawn on about 5 epochs (``figures_due``: the first, every ceil(max_epochs / 4)-th and the last); the other epochs
-cost the "without figures" share; the run average spreads the warm-up, the builds and the updates over all
+once (the first figure epoch, with what a process pays for its first figures) and kept, later figure epochs updating
+it. Figures are drawn on about 5 epochs (``figures_due``: the first, every ceil(max_epochs / 4)-th and the last); the
+other epochs cost the "without figures" share; the run average spreads the builds and the updates over all
 epochs. ``--clock cpu`` (the default) times CPU seconds of this process (all threads): steady on a machine shared
 with other work, and what the figure worker takes from training on a small CPU machine; ``--clock wall`` as before.
 Validation, data loading and checkpoints are left out of both epochs, and the callbacks are counted every epoch
@@ -107,9 +107,8 @@ def callback_costs(model: torch.nn.Module, reference: dict[str, torch.Tensor], r
 
     Figures are drawn as a run's figure worker draws them (:class:`vitlab.runtime.FigureWorker`, here inline): a
     figure is built the first time its tag is drawn and kept, later epochs update it and redraw what changed.
-    ``... figures built``: the first figure epoch (its figures built, after the worker's warm-up);
+    ``... figures built``: the first figure epoch (its figures built, the process's first figures);
     ``... figures updated``: a later figure epoch (the fastest of ``repeats``)."""
-    from vitlab.outputs.figures import warm_up
     from vitlab.runtime import FigureWorker
 
     heads = head_counts(model)
@@ -119,7 +118,7 @@ def callback_costs(model: torch.nn.Module, reference: dict[str, torch.Tensor], r
         epoch = iter(range(1, 1000))
         step = iter(range(1, 10**6))
         worker = FigureWorker(process=False)
-        costs = {"figure worker warm-up": timed(warm_up, 1, warmup=False)[0]}
+        costs = {}
 
         def snapshot() -> None:
             save_safetensors(qkv_state(model), out / snapshot_name(next(epoch)), {"heads": heads})
@@ -160,7 +159,7 @@ def report(label: str, costs: dict[str, float], epoch_s: float, goal: float, max
     updated = costs["QKVDrift figures updated"] + costs["QKSpectra figures updated"]
     sets = figure_sets(max_epochs)
     # QKSpectra also draws at fit start (epoch 0): one more set of its figures, counted as an update
-    drawn = costs["figure worker warm-up"] + built + (sets - 1) * updated + costs["QKSpectra figures updated"]
+    drawn = built + (sets - 1) * updated + costs["QKSpectra figures updated"]
     average = plain + drawn / max_epochs
     for kind, total in (("without figures", plain), ("first figure epoch (figures built)", plain + built),
                         ("later figure epoch (figures updated)", plain + updated),

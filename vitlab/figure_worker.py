@@ -1,8 +1,9 @@
 """The figure worker of a training run (:class:`FigureWorker`): figures drawn in a separate process beside
 training, owned from start to end by the :class:`vitlab.callbacks.RuntimeCallback` of the run:
 
-1. *start* (rank 0, at the fit's set-up): a ``python`` child process running :func:`serve` warms up (fonts, the
-   first figure of each kind) while the run sets up;
+1. *start* (rank 0, at the fit's set-up): a ``python`` child process running :func:`serve` imports matplotlib
+   while the run sets up. It draws no warm-up figures: a first figure set took as long after them as without
+   them, and they were 0.6-0.9 CPU-s of the child's that a short fit's end waited for (``docs/performance.md``);
 2. *submit*: the callbacks hand it figures (:mod:`vitlab.outputs.figures` objects) with their tag and step; the
    child draws them in order and a thread of the training process writes each image as it arrives, stamped
    with the wall time of its submit;
@@ -82,9 +83,8 @@ def serve() -> None:
     """The figure worker's loop (``python -c "from vitlab.figure_worker import serve; serve()"``): read ``(job, tag,
     figure)`` messages from stdin, answer ``(job, ok, PNG bytes or exception)`` on stdout."""
     out = child_setup()
-    from vitlab.outputs.figures import FigureStore, warm_up
+    from vitlab.outputs.figures import FigureStore
 
-    warm_up()
     store = FigureStore()
     while True:
         try:

@@ -486,13 +486,3 @@ def png(rgb: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(rgb).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def warm_up() -> None:
-    """Draw one figure of each kind once (fonts, text layout, colour bars, legends, log-axis labels, PNG
-    encoding: what a process pays on its first figures)."""
-    values = np.linspace(0.0, 1.0, 16).reshape(2, 8)
-    render_png(LocalDrift("stage0.block0", {"cosine_distance": [values, values, values]}, 0))
-    render_png(StageCurves("stage0", {"stage0.block0": (values[0] - 0.5, values[1][:4], values[1] + 0.1)}))
-    render_png(Heatmap(values, title="t", xlabel="x", ylabel="y", annotate=True, xticklabels=list("abcdefgh"),
-                       yticklabels=["a", "b"], colorbar_label="c"))
