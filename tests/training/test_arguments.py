@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,5 @@ def test_flat_keys_parse_print_and_show_their_docs_for_every_task(task, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     for doc in ("Peak learning rate", "Layer-wise LR decay factor", "Local weights file", "Backbone parts to freeze"):
         assert doc in help_text, (task, doc)
+    shipped = [p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")]
+    assert shipped and all(f" {name}" in help_text for name in shipped), help_text[-800:]  # (the epilog)

@@ -135,8 +135,8 @@ def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset,
     original_nvml = torch.cuda._raw_device_count_nvml
     monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml",
                         lambda: nvml_searches.append(len(steps_seen)) or original_nvml())
-    limits = ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2"]
-    args = _first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=limits), COUNTER)
+    limits = ["--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2", "--runtime.figures", "off"]
+    args = _first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=limits), COUNTER)  # (figures: drawn off the steps)
     original_start = SyncCounter._start
     monkeypatch.setattr(SyncCounter, "_start", lambda self: steps_seen.append(1) or original_start(self))
     cli = fit(args)
@@ -238,7 +238,7 @@ def test_the_training_loop_reads_the_device_only_at_logging_steps(tiny_dataset, 
     from tests.helpers.runs import tiny_args
 
     extra = ["--trainer.limit_train_batches", "7", "--data.batch_size", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "true",
-             "--trainer.log_every_n_steps", "3"]
+             "--trainer.log_every_n_steps", "3", "--runtime.figures", "off"]  # (figures: drawn off the steps)
     args = _first(tiny_args(tiny_dataset, tmp_path / "runs", epochs=1, extra=extra), f"{__name__}.ReadsBetweenSteps")
     if bar != "default":  # a bar the config names is kept as it is
         import yaml
