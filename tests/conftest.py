@@ -1,4 +1,5 @@
-"""Shared test setup: offline hub, a private cache folder, small thread counts, tiny generated data."""
+"""Shared test setup: offline hub, a private cache folder (shared by the run's worker processes: its entries are
+written atomically), small thread counts, the number of worker processes, tiny generated data."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # tiny tensors: a second thread only adds OpenMP barriers (fits set their own threads)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (setup.cfg's addopts): a worker process per core this process may use, at most 4 (each holds
+    torch, Lightning and timm, and the fits in it take every core for their threads); none on one core.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets it, as in pytest-xdist."""
+    from vitlab.runtime import available_cores
+
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = available_cores()
+    return min(cores, 4) if cores > 1 else 0
 
 
 @pytest.fixture(scope="module")
