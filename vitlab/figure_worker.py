@@ -3,7 +3,7 @@ training, owned from start to end by the :class:`vitlab.callbacks.RuntimeCallbac
 
 1. *start* (rank 0, at the fit's set-up): a ``python`` child process running :func:`serve` imports matplotlib
    while the run sets up. It draws no warm-up figures: a first figure set took as long after them as without
-   them, and they were 0.6-0.9 CPU-s of the child's that a short fit's end waited for (``docs/performance.md``);
+   them, and they took the child 0.6-1.0 s that a short fit's end waited for (``docs/performance.md``);
 2. *submit*: the callbacks hand it figures (:mod:`vitlab.outputs.figures` objects) with their tag and step; the
    child draws them in order and a thread of the training process writes each image as it arrives, stamped
    with the wall time of its submit;
