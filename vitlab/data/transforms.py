@@ -4,6 +4,12 @@ Every pipeline ends with a resize to ``image_size`` x ``image_size`` and
 ``Normalize(max_pixel_value=1.0)`` with one mean/std entry per channel, also after a
 user-supplied ``Compose``. Albumentations' ``Compose`` keeps its own random generator: the training loader
 seeds it for every sample from (seed, epoch, index) (:mod:`vitlab.data.sampling`).
+
+A grayscale image given to a model of three input channels is the gray image repeated three times. Where every
+transform of a pipeline acts on each channel alike (:data:`CHANNEL_WISE`: the validation pipeline, and the
+recipes ``none``, ``light`` and ``default``), the pipeline's :class:`Normalize` repeats the channels itself and
+the datasets hand it the one-channel image: the same output, bit for bit (tested for every recipe), for a third
+of the warping and resizing.
 """
 
 from __future__ import annotations
@@ -55,6 +61,62 @@ AUGMENT_RECIPES: dict[str, Callable[[int], list[A.BasicTransform]]] = {
 }
 
 
+class Normalize(A.Normalize):
+    """Albumentations' ``Normalize`` of images in [0, 1] (``max_pixel_value=1``, the standard normalisation): the same
+    float32 values, bit for bit, computed one channel at a time without the two image-sized arrays of means and
+    denominators albumentations fills for every image (about a third of a 224 px three-channel sample's time in a
+    loader worker, profiled).
+
+    With ``repeat_gray`` a one-channel image becomes one of ``len(mean)`` channels: each output channel is computed
+    from the gray one, as Normalize computes it from a repeated image. Pipelines put it last, after transforms that
+    act on each channel alike (:func:`repeats_channels`), so that a grayscale image is augmented once instead of
+    once per channel.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], repeat_gray: bool = False) -> None:
+        super().__init__(mean=tuple(mean), std=tuple(std), max_pixel_value=1.0)
+        self.repeat_gray = repeat_gray
+
+    def apply(self, img: np.ndarray, **params) -> np.ndarray:
+        channels = len(self.mean_np)
+        src = img[:, :, None] if img.ndim == 2 else img
+        gray_to_repeat = src.ndim == 3 and src.shape[2] == 1 and channels > 1
+        if img.dtype != np.float32 or src.ndim != 3 or src.shape[2] not in (1, channels) or (
+            gray_to_repeat and not self.repeat_gray
+        ):
+            return super().apply(img, **params)
+        out = np.empty(src.shape[:2] + (channels,), dtype=np.float32)
+        for c in range(channels):  # (x - mean) * (1 / std) in float32, as albumentations' two OpenCV calls do
+            plane = out[:, :, c]
+            np.subtract(src[:, :, c if src.shape[2] > 1 else 0], self.mean_np[c], out=plane)
+            np.multiply(plane, self.denominator[c], out=plane)
+        return out
+
+    def get_transform_init_args_names(self) -> tuple[str, ...]:
+        return ("mean", "std", "repeat_gray")
+
+
+# Transforms that act on every channel of an image alike, as the built-in recipes use them: augmenting a gray image
+# and then repeating it gives the repeated image's augmentation, bit for bit (tests/data/test_transforms.py checks
+# every recipe made only of these). GaussNoise (a noise field per channel) is not one: the ``strong`` recipe keeps
+# repeating the channels first. Exact types: a subclass may act otherwise.
+CHANNEL_WISE = (A.Resize, A.RandomResizedCrop, A.HorizontalFlip, A.VerticalFlip, A.Affine, A.RandomBrightnessContrast,
+                A.RandomGamma, A.GaussianBlur, A.CoarseDropout)
+
+
+def repeats_channels(transform: A.BasicTransform | A.BaseCompose) -> bool:
+    """Whether ``transform`` repeats a one-channel image to its channels itself (:class:`Normalize` with
+    ``repeat_gray``): a dataset then hands it grayscale images with one channel."""
+    return any(isinstance(t, Normalize) and t.repeat_gray for t in _flatten(transform))
+
+
+def _finish(steps: list[A.BasicTransform], mean: Sequence[float], std: Sequence[float], user: bool) -> list:
+    """``steps``, then :class:`Normalize`; it repeats a gray image's channels where every step acts on each channel
+    alike (never after a user's Compose)."""
+    channel_wise = all(type(t) in CHANNEL_WISE for step in steps for t in _flatten(step))
+    return [*steps, Normalize(mean, std, repeat_gray=len(mean) > 1 and channel_wise and not user)]
+
+
 def normalization_stats(
     in_chans: int, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -81,10 +143,6 @@ def normalization_stats(
     if min(stats[1]) <= 0:
         raise ValueError(f"std must be positive, got {list(stats[1])}")
     return stats[0], stats[1]
-
-
-def _normalize(mean: Sequence[float], std: Sequence[float]) -> A.Normalize:
-    return A.Normalize(mean=tuple(mean), std=tuple(std), max_pixel_value=1.0)
 
 
 def train_transform(
@@ -120,12 +178,13 @@ def train_transform(
         steps = AUGMENT_RECIPES[augment](image_size)
     else:
         raise ValueError(f"unknown augment recipe {augment!r}; valid: {', '.join(AUGMENT_RECIPES)}")
-    return A.Compose([*steps, _normalize(mean, std)], seed=seed)
+    return A.Compose(_finish(steps, mean, std, user=user_transforms is not None), seed=seed)
 
 
 def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> A.Compose:
-    """Deterministic pipeline for validation, test and probes: resize + Normalize."""
-    return A.Compose([_resize(image_size), _normalize(mean, std)], seed=0)
+    """Deterministic pipeline for validation, test and probes: resize + Normalize (a gray image's channels repeated
+    by it, :class:`Normalize`)."""
+    return A.Compose(_finish([_resize(image_size)], mean, std, user=False), seed=0)
 
 
 def _flatten(transform: A.BasicTransform | A.BaseCompose) -> list:

@@ -15,6 +15,7 @@ from vitlab.data.cache import ArrayCache, MemoryCache
 from vitlab.data.readers.errors import ImageReadError
 from vitlab.data.readers.image import ImageReader
 from vitlab.data.readers.options import ReadOptions
+from vitlab.data.transforms import repeats_channels
 from vitlab.data.layouts import UNLABELLED, Sample, SkippedFileWarning
 
 T = TypeVar("T")
@@ -23,11 +24,12 @@ T = TypeVar("T")
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 
 
-def to_channels(image: np.ndarray, in_chans: int) -> np.ndarray:
-    """(H, W) or (H, W, 3) float32 -> (H, W, in_chans): gray is replicated, colour -> luma."""
+def to_channels(image: np.ndarray, in_chans: int, keep_gray: bool = False) -> np.ndarray:
+    """(H, W) or (H, W, 3) float32 -> (H, W, in_chans): gray is replicated (kept (H, W, 1) with ``keep_gray``: a
+    transform that repeats the channels itself, :func:`vitlab.data.transforms.repeats_channels`), colour -> luma."""
     if image.ndim == 2:
         image = image[:, :, None]  # (H, W, 1)
-    if image.shape[2] == in_chans:
+    if image.shape[2] == in_chans or (keep_gray and image.shape[2] == 1):
         return image
     if in_chans == 3:
         return np.repeat(image, 3, axis=2)  # (H, W, 3)
@@ -94,7 +96,8 @@ class MedicalImageDataset(Dataset):
         reader: A reader whose header memory is already filled (see ``ImageReader.inspect``);
             None -> a new one with ``read_options``.
         memory: Keep items in memory (within its budget): the decoded, channel-converted and prescaled
-            image before an augmenting ``transform``, the final tensor when ``deterministic``.
+            image before an augmenting ``transform`` (a gray image with one channel), the final tensor when
+            ``deterministic``.
         deterministic: ``transform`` gives the same output for the same input (resize + normalise: the
             validation, test and probe pipelines), so whole items can be kept.
         skipped: The record of the files skipped at decode time (a data module shares one among its
@@ -125,8 +128,9 @@ class MedicalImageDataset(Dataset):
         self.samples = list(samples)
         self.class_index = {name: i for i, name in enumerate(class_names)}
         self.labels = [-1 if s.label == UNLABELLED else self.class_index[s.label] for s in self.samples]  # -1: unlabelled
-        self.transform = transform
         self.in_chans = in_chans
+        self.prescale_to = prescale_to
+        self.transform = transform
         self.read_options = read_options or ReadOptions()
         if reader is not None and reader.options != self.read_options:
             raise ValueError("reader.options differ from read_options")
@@ -134,13 +138,25 @@ class MedicalImageDataset(Dataset):
         self.on_bad_file = on_bad_file
         self.cache = cache
         self.skipped = SkippedFiles() if skipped is None else skipped  # skipped at decode time
-        self.prescale_to = prescale_to
         self.memory = memory
         self.deterministic = deterministic
         self.volumes = volumes
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def transform(self) -> A.Compose:
+        """The albumentations pipeline; one that repeats a gray image's channels itself is handed gray images with
+        one channel (``keep_gray``: a third of the augmentation's work for a three-channel model)."""
+        return self._transform
+
+    @transform.setter
+    def transform(self, transform: A.Compose) -> None:
+        self._transform = transform
+        # only after the prescale: it leaves every image's shorter side under twice the pipeline's size, so no crop or
+        # resize of the pipeline is OpenCV's 2 x 2 block average, whose rounding depends on the number of channels
+        self.keep_gray = bool(self.prescale_to) and self.in_chans > 1 and repeats_channels(transform)
 
     @property
     def bad_paths(self) -> set[str]:
@@ -197,11 +213,12 @@ class MedicalImageDataset(Dataset):
         if kept is not None:
             image = kept[0].copy()  # (a transform may change its input in place)
         else:
-            image = to_channels(self.load_array(index), self.in_chans)  # (H, W, C)
+            image = to_channels(self.load_array(index), self.in_chans, keep_gray=True)  # (H, W, C), gray (H, W, 1)
             if self.prescale_to:
-                image = integer_downscale(image, self.prescale_to)
+                image = integer_downscale(image, self.prescale_to, self.in_chans)
             if self.memory is not None and not self.deterministic:
                 self.memory.put(key, (image.copy(), index), image.nbytes)
+        image = to_channels(image, self.in_chans, self.keep_gray)  # gray repeated here unless the pipeline repeats it
         out = self.transform(image=image)["image"]  # (S, S, C) normalised
         if out.ndim == 2:
             out = out[:, :, None]
@@ -229,10 +246,13 @@ def finite_tensor(path: object, tensor: torch.Tensor) -> torch.Tensor:
     )
 
 
-def integer_downscale(image: np.ndarray, target: int) -> np.ndarray:
+def integer_downscale(image: np.ndarray, target: int, like_channels: int = 1) -> np.ndarray:
     """Box-filter (H, W, C) by the largest integer factor k with min(H, W) // k >= target (k = 1: unchanged).
 
-    Averaging k x k blocks is the exact area resize for an integer factor, so anti-aliasing is kept.
+    Averaging k x k blocks is the exact area resize for an integer factor, so anti-aliasing is kept. A one-channel
+    image is given the values its repetition to ``like_channels`` channels would get: OpenCV averages 2 x 2 blocks of
+    a one-channel image with vectorised code that rounds differently from its three-channel code (in the last bit),
+    so for k = 2 a gray image kept with one channel for a three-channel model is downscaled as three channels.
     """
     import cv2
 
@@ -240,5 +260,11 @@ def integer_downscale(image: np.ndarray, target: int) -> np.ndarray:
     if factor < 2:
         return image
     height, width = image.shape[0] // factor, image.shape[1] // factor
-    out = cv2.resize(image[: height * factor, : width * factor], (width, height), interpolation=cv2.INTER_AREA)
+    part = image[: height * factor, : width * factor]
+    repeat = factor == 2 and like_channels > 1 and image.ndim == 3 and image.shape[2] == 1
+    if repeat:
+        part = np.repeat(part, like_channels, axis=2)
+    out = cv2.resize(part, (width, height), interpolation=cv2.INTER_AREA)
+    if repeat:
+        return np.ascontiguousarray(out[:, :, :1])
     return out[:, :, None] if out.ndim == 2 else out  # (H / k, W / k, C)

@@ -104,10 +104,10 @@ class DenseDataset(MedicalImageDataset):
     def _item(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sample ``index`` as ``(image (C, S, S), target)``; raises for a bad pair or a non-finite image tensor."""
         image, mask, user = self._kept_pair(index)
-        image = to_channels(image, self.in_chans)  # (H, W, C)
+        image = to_channels(image, self.in_chans, self.keep_gray)  # (H, W, C or 1)
         boxes, user_labels = user if user is not None else (None, [])
         if self.prescale_to:
-            factor_image = integer_downscale(image, self.prescale_to)
+            factor_image = integer_downscale(image, self.prescale_to, self.in_chans)
             if factor_image.shape[:2] != image.shape[:2]:  # nearest for labels: every k-th pixel
                 k = image.shape[0] // factor_image.shape[0]
                 mask = None if mask is None else mask[: factor_image.shape[0] * k : k, : factor_image.shape[1] * k : k]
