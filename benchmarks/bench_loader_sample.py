@@ -8,9 +8,9 @@ normalised by a loader worker on the host's cores, beside the training process. 
 gray image once and repeats it in its Normalize (where every transform acts on each channel alike: the recipes
 ``none``, ``light``, ``default`` and validation); before, the dataset repeated it first and every warp and resize
 ran three times, and albumentations' Normalize filled two image-sized arrays for each image. This measures both,
-side by side in one process on the same samples (the earlier path rebuilt: the recipe with albumentations'
-Normalize, the dataset repeating the channels), with the same keyed seeds, and checks that they give the same
-tensors:
+side by side in one process on the same samples (the earlier path rebuilt: each image repeated to three channels
+as it is decoded, so that the prescale, the memory cache and the recipe see three, and albumentations' Normalize),
+with the same keyed seeds, and checks that they give the same tensors:
 
 - synthetic CT slices (vitlab's generator) of 224 px (as ``bench_gpu.py`` makes) and of 512 px (a CT's own
   size: the dataset's prescale halves them first), ``--images`` of each;
@@ -40,6 +40,7 @@ RATE = 2200  # ViT-B/16 training images a second on an H200 (bench_gpu.py's bare
 def datasets(root: Path, images: int, recipe: str, size: int):
     """(vitlab's dataset, the earlier path's) of one synthetic set, the same samples."""
     import albumentations as A
+    import numpy as np
 
     from vitlab.data import MedicalDataModule
     from vitlab.data.cache import MemoryCache
@@ -52,6 +53,8 @@ def datasets(root: Path, images: int, recipe: str, size: int):
     old = dm.dataset("train", augmented=recipe != "none")
     steps = AUGMENT_RECIPES[recipe](224)
     old.transform = A.Compose([*steps, A.Normalize(mean=dm.mean, std=dm.std, max_pixel_value=1.0)], seed=0)
+    decode = old.load_array
+    old.load_array = lambda index: np.repeat(np.atleast_3d(decode(index)), 3, axis=2)  # repeated as it is decoded
     assert new.keep_gray and not old.keep_gray
     for dataset in (new, old):
         dataset.samples = dataset.samples[:images]

@@ -251,8 +251,10 @@ def integer_downscale(image: np.ndarray, target: int, like_channels: int = 1) ->
 
     Averaging k x k blocks is the exact area resize for an integer factor, so anti-aliasing is kept. A one-channel
     image is given the values its repetition to ``like_channels`` channels would get: OpenCV averages 2 x 2 blocks of
-    a one-channel image with vectorised code that rounds differently from its three-channel code (in the last bit),
-    so for k = 2 a gray image kept with one channel for a three-channel model is downscaled as three channels.
+    a one-channel image with vectorised code that rounds differently (in the last bit) from its three-channel code,
+    so for k = 2 a gray image kept with one channel for a three-channel model is averaged here in the three-channel
+    code's order, ((a + b) + c) + d then times 0.25 in float32 (tests/data/test_transforms.py compares it with
+    OpenCV's three-channel result).
     """
     import cv2
 
@@ -261,10 +263,11 @@ def integer_downscale(image: np.ndarray, target: int, like_channels: int = 1) ->
         return image
     height, width = image.shape[0] // factor, image.shape[1] // factor
     part = image[: height * factor, : width * factor]
-    repeat = factor == 2 and like_channels > 1 and image.ndim == 3 and image.shape[2] == 1
-    if repeat:
-        part = np.repeat(part, like_channels, axis=2)
+    if factor == 2 and like_channels > 1 and image.ndim == 3 and image.shape[2] == 1 and image.dtype == np.float32:
+        out = np.add(part[0::2, 0::2], part[0::2, 1::2])  # (H / 2, W / 2, 1)
+        out += part[1::2, 0::2]
+        out += part[1::2, 1::2]
+        out *= np.float32(0.25)
+        return out
     out = cv2.resize(part, (width, height), interpolation=cv2.INTER_AREA)
-    if repeat:
-        return np.ascontiguousarray(out[:, :, :1])
     return out[:, :, None] if out.ndim == 2 else out  # (H / k, W / k, C)
