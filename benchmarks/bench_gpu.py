@@ -22,7 +22,10 @@ What it runs (about 5 minutes on one H100 / H200):
    validation), whole-epoch images/s (epoch start to the next epoch start: validation, callbacks and checkpoints
    included) and the epoch's seconds split into steps, validation and the rest, the training loop's
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
-   start, the seconds the epoch's checkpoints take, and the peak GPU memory.
+   start, the seconds the epoch's checkpoints take, and the peak GPU memory. The default runs also profile 5 steps
+   in the middle of the second epoch (``torch.profiler``, tables written beside the results); those steps, the
+   profiler's start and stop and the tables' writing are left out of that epoch's figures (the time left out is
+   printed).
 4. **Variants** (``--variants``): ``memdata`` the same ViT run fed four training batches made once and kept in
    pinned memory (no loader: the difference is the loader's share of the step); ``nocallbacks`` the same ViT run without the Q/K/V callbacks (the difference in
    epoch time is their whole cost, the GPU's share included); ``gpuspectra`` with the QK spectra's eigenproblems
@@ -117,6 +120,9 @@ class EpochTimer(pl.Callback):
             self.prof.__exit__(None, None, None)
             write_profile(self.prof, batch_idx - self.prof_first + 1)
             self.prof = None
+            sync()  # (the profiled steps, the profiler and its tables are left out of the epoch's figures)
+            window = self.current["excluded"]
+            window.update(seconds=time.perf_counter() - window.pop("start"), gaps=(self.prof_first, batch_idx + 1))
         if batch_idx + 1 >= trainer.num_training_batches:  # the last step's end (the epoch's validation runs next)
             sync()
             self.current["last"] = time.perf_counter()
@@ -150,6 +156,7 @@ class EpochTimer(pl.Callback):
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             sync()
+            self.current["excluded"] = {"start": time.perf_counter(), "steps": 5, "images": 5 * len(batch[0])}
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
     def on_fit_end(self, trainer, pl_module):
@@ -204,11 +211,15 @@ out = []
 for epoch in timer.epochs:
     end = epoch["start"] + epoch["epoch_s"]
     inside = lambda key: [s for t, s in spans[key] if epoch["start"] <= t <= end]
-    gaps = sorted(b - a for a, b in zip(epoch["marks"], epoch["marks"][1:])) or [0.0]
-    out.append({"images": epoch["images"], "steps": epoch["steps"], "train_s": epoch["last"] - epoch["first"],
+    # a profiled window (the default run's second epoch): its steps, images and seconds are left out
+    window = epoch.get("excluded", {"seconds": 0.0, "steps": 0, "images": 0, "gaps": (0, 0)})
+    gaps = sorted(b - a for i, (a, b) in enumerate(zip(epoch["marks"], epoch["marks"][1:]))
+                  if not window["gaps"][0] <= i < window["gaps"][1]) or [0.0]
+    out.append({"images": epoch["images"] - window["images"], "steps": epoch["steps"] - window["steps"],
+                "train_s": epoch["last"] - epoch["first"] - window["seconds"], "profiled_s": window["seconds"],
                 "val_s": epoch.get("val_s", 0.0), "median_step_s": gaps[len(gaps) // 2], "p90_step_s": gaps[int(0.9 * (len(gaps) - 1))],
                 "to_first_s": epoch["first"] - epoch["start"], "after_val_s": end - epoch.get("val_end", epoch["last"]),
-                "epoch_s": epoch["epoch_s"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
+                "epoch_s": epoch["epoch_s"] - window["seconds"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
                 "ckpt_io_s": sum(inside("ckpt_io"))})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -391,6 +402,7 @@ def summarise(run: dict) -> dict[str, float]:
             "checkpoints_s_per_epoch": sum(e["checkpoints_s"] for e in epochs) / len(epochs),
             "ckpt_dump_s_per_epoch": sum(e.get("ckpt_dump_s", 0.0) for e in epochs) / len(epochs),
             "ckpt_io_s_per_epoch": sum(e.get("ckpt_io_s", 0.0) for e in epochs) / len(epochs),
+            "profiled_s": sum(e.get("profiled_s", 0.0) for e in epochs) / len(epochs),
             "fit_start_callbacks_s": run["fit_start_callbacks_s"], "peak_gib": run["peak_gib"], "workers": run["workers"],
             "threads": run["threads"], "val_images": run["val_images"]}
 
@@ -466,7 +478,8 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} + the rest "
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
             f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); step median {run.get('median_step_ms', 0):.1f} ms, "
-            f"90th percentile {run.get('p90_step_ms', 0):.1f} ms")
+            f"90th percentile {run.get('p90_step_ms', 0):.1f} ms"
+            + (f"; left out: {run['profiled_s']:.2f} s/epoch of 5 profiled steps" if run.get("profiled_s") else ""))
 
 
 def report(results: dict, args) -> None:
