@@ -125,18 +125,6 @@ def test_a_gray_image_augmented_once_then_repeated_is_the_repeated_images_augmen
             np.testing.assert_array_equal(results[0], results[1], err_msg=f"{recipe}, seed {seed}, {image.shape}")
 
 
-@pytest.mark.parametrize("factor", [2, 3, 4, 5])
-def test_the_prescale_of_a_gray_image_kept_with_one_channel_is_its_repetitions(factor):
-    rng = np.random.default_rng(factor)
-    for height, width in ((factor * 16, factor * 16), (factor * 16 + 1, factor * 23 + 2), (factor * 40 + 1, factor * 17)):
-        image = (rng.random((height, width, 1)) * rng.choice([1e-3, 1.0, 3e3])).astype(np.float32)
-        expected = integer_downscale(np.repeat(image, 3, axis=2), 16)
-        got = integer_downscale(image, 16, 3)
-        assert got.shape == expected.shape[:2] + (1,) and got.flags["C_CONTIGUOUS"]
-        for channel in range(3):
-            np.testing.assert_array_equal(got[:, :, 0], expected[:, :, channel])
-
-
 def _reference_transform(recipe: str | None, size: int, mean, std) -> A.Compose:
     steps = [A.Resize(size, size, area_for_downscale="image")] if recipe is None else AUGMENT_RECIPES[recipe](size)
     return A.Compose([*steps, _albumentations_normalize(mean, std)], seed=0)
