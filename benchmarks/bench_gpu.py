@@ -423,7 +423,8 @@ def main() -> None:
     missing = missing_dependencies()
     if missing:
         print(f"bench_gpu: missing Python packages {', '.join(missing)}: install vitlab's dependencies "
-              "(pip install -e . -c constraints.txt) or put their wheels on PYTHONPATH", file=sys.stderr)
+              "(pip install -e . -c constraints.txt) or put their wheels on PYTHONPATH (benchmarks/gpu_wheels.py fetches "
+              "them where an index is reachable)", file=sys.stderr)
         sys.exit(2)
     import torch
 
