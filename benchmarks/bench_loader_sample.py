@@ -18,7 +18,7 @@ with the same keyed seeds, and checks that they give the same tensors:
 - per sample: decoded every time (a worker's memory cache misses: each worker meets a sample about once an epoch
   among many) and from the memory cache (the decoded image kept), the fastest of ``--rounds`` interleaved rounds.
 
-It prints the milliseconds of the training process's CPU time per sample of each path, their ratio, and how many
+It prints the milliseconds of CPU time per sample of each path, their ratio, and how many
 cores each needs to make 2,200 samples a second.
 """
 

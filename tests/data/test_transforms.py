@@ -135,8 +135,9 @@ def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tm
     """A three-channel model's samples of gray images: the datasets give the pipeline the one-channel image (kept so
     in the memory cache too) and make, for every seed, the samples of the gray image repeated first and normalised by
     albumentations."""
+    size = 16 if kind == "classification" else 24  # either way the prescale halves the images (32 and 48 px)
     if kind == "classification":
-        dm = MedicalDataModule(root=str(tiny_dataset), image_size=24, in_chans=3, augment="default", val_fraction=0.25,
+        dm = MedicalDataModule(root=str(tiny_dataset), image_size=size, in_chans=3, augment="default", val_fraction=0.25,
                                num_workers=0)
     else:
         from tests.helpers.data import planted, write_manifest
@@ -146,7 +147,7 @@ def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tm
             sample = planted(tmp_path, f"i{i}", [(4 + i, 6, 8), (28, 20 + i, 10)] if i % 2 else [(30, 4, 6)])
             rows.append((sample.path.name, "lesion" if i % 2 else "none", f"P{i // 2}", sample.mask.name))
         manifest = write_manifest(tmp_path / "m.csv", rows)
-        dm = DenseDataModule(root=str(manifest), image_size=24, in_chans=3, augment="default", val_fraction=0.25,
+        dm = DenseDataModule(root=str(manifest), image_size=size, in_chans=3, augment="default", val_fraction=0.25,
                              num_workers=0)
     dm.setup("fit")
     for split, augmented in (("train", True), ("val", False)):
@@ -156,12 +157,17 @@ def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tm
         if kind == "classification" and augmented:  # the images kept before augmentation have one channel
             kept = [v[0] for v in dataset.memory._items.values() if isinstance(v[0], np.ndarray)]
             assert kept and all(image.shape[2] == 1 for image in kept), [image.shape for image in kept]
-        dataset.transform = _reference_transform("default" if augmented else None, 24, dm.mean, dm.std)
+        # the earlier path: the image repeated as it is decoded (prescaled and augmented with three channels),
+        # albumentations' Normalize
+        dataset.transform = _reference_transform("default" if augmented else None, size, dm.mean, dm.std)
         dataset.memory = None  # (validation keeps finished samples)
+        if kind == "classification":
+            decode = dataset.load_array
+            dataset.load_array = lambda index: np.repeat(np.atleast_3d(decode(index)), 3, axis=2)
         assert not dataset.keep_gray
         old = [_sample(dataset, i, seed) for seed in range(3) for i in range(len(dataset))]
         for (a_image, a_target), (b_image, b_target) in zip(new, old, strict=True):
-            assert a_image.shape[0] == 3 and torch.equal(a_image, b_image)
+            assert a_image.shape == (3, size, size) and torch.equal(a_image, b_image)
             if isinstance(a_target, dict):
                 assert a_target.keys() == b_target.keys()
                 assert all(torch.equal(a_target[k], b_target[k]) for k in a_target)
