@@ -1,16 +1,17 @@
 """What one training sample of gray images costs a loader worker, for a model of three input channels.
 
-    python benchmarks/bench_loader_sample.py [--images 192] [--rounds 3] [--recipes default light none]
+    python benchmarks/bench_loader_sample.py [--images 192] [--rounds 3] [--recipes default light strong none]
 
 A ViT-B/16 on an H200 trains on about 2,200 images a second; every one of them is decoded, windowed, augmented and
 normalised by a loader worker on the host's cores, beside the training process. For a model of three input channels
 (``configs/medical_vit.yaml``) a gray CT or X-ray image is the gray image repeated three times. vitlab augments the
 gray image once and repeats it in its Normalize (where every transform acts on each channel alike: the recipes
-``none``, ``light``, ``default`` and validation); before, the dataset repeated it first and every warp and resize
-ran three times, and albumentations' Normalize filled two image-sized arrays for each image. This measures both,
-side by side in one process on the same samples (the earlier path rebuilt: each image repeated to three channels
-as it is decoded, so that the prescale, the memory cache and the recipe see three, and albumentations' Normalize),
-with the same keyed seeds, and checks that they give the same tensors:
+``none``, ``light``, ``default`` and validation) or just before the first transform that draws per channel
+(``strong``'s GaussNoise). Before, the dataset repeated it first, every warp and resize ran three times, and
+albumentations' Normalize filled two image-sized arrays for each image. This measures both, side by side in one
+process on the same samples (the earlier path rebuilt: each image repeated to three channels as it is decoded, so
+that the prescale, the memory cache and the recipe see three, and albumentations' Normalize), with the same keyed
+seeds, and checks that they give the same tensors:
 
 - synthetic CT slices (vitlab's generator) of 224 px (as ``bench_gpu.py`` makes) and of 512 px (a CT's own
   size: the dataset's prescale halves them first), ``--images`` of each;
@@ -86,8 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=192, help="samples of each synthetic set")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the fastest is reported")
-    parser.add_argument("--recipes", nargs="*", default=["default", "light", "none"],
-                        choices=["default", "light", "none"], help="'none': the validation pipeline (resize)")
+    parser.add_argument("--recipes", nargs="*", default=["default", "light", "strong", "none"],
+                        choices=["default", "light", "strong", "none"], help="'none': the validation pipeline (resize)")
     args = parser.parse_args()
 
     from vitlab.runtime import prepare_process

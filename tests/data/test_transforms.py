@@ -103,9 +103,9 @@ def _gray_images(rng, size: int) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("recipe", [*AUGMENT_RECIPES, "eval"])
 def test_a_gray_image_augmented_once_then_repeated_is_the_repeated_images_augmentation(recipe):
-    """The pipelines that repeat a gray image's channels themselves (in Normalize, after every other transform) give,
-    for every seed, what albumentations gives for the repeated image, both prescaled as the datasets prescale them;
-    those that cannot (a noise field per channel) leave the repeating to the dataset."""
+    """Every pipeline repeats a gray image's channels itself (in Normalize after every other transform, or before the
+    first that draws per channel) and gives, for every seed, what albumentations gives for the repeated image, both
+    prescaled as the datasets prescale them."""
     rng = np.random.default_rng(0)
     mean, std = rng.uniform(0.3, 0.6, 3).tolist(), rng.uniform(0.2, 0.3, 3).tolist()
     for size in (32, 48):
@@ -113,7 +113,10 @@ def test_a_gray_image_augmented_once_then_repeated_is_the_repeated_images_augmen
             lambda: AUGMENT_RECIPES[recipe](size))
         pipeline = eval_transform(size, mean, std) if recipe == "eval" else train_transform(size, mean, std, augment=recipe)
         reference = A.Compose([*steps(), _albumentations_normalize(mean, std)], seed=0)
-        assert repeats_channels(pipeline) == (recipe != "strong")
+        assert repeats_channels(pipeline)
+        if recipe == "strong":  # its GaussNoise draws a noise field per channel: repeated just before it
+            names = [type(t).__name__ for t in pipeline.transforms]
+            assert names.index("RepeatChannels") + 1 == names.index("GaussNoise") and not pipeline.transforms[-1].repeat_gray
         for seed, image in enumerate(_gray_images(rng, size) * 6):
             repeated = integer_downscale(np.repeat(image[:, :, None], 3, axis=2), size)
             given = integer_downscale(image[:, :, None], size, 3) if repeats_channels(pipeline) else repeated
@@ -130,14 +133,15 @@ def _reference_transform(recipe: str | None, size: int, mean, std) -> A.Compose:
     return A.Compose([*steps, _albumentations_normalize(mean, std)], seed=0)
 
 
-@pytest.mark.parametrize("kind", ["classification", "segmentation"])
-def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tmp_path, tiny_dataset, kind):
+@pytest.mark.parametrize("kind,recipe", [("classification", "default"), ("classification", "strong"),
+                                         ("segmentation", "default")])
+def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tmp_path, tiny_dataset, kind, recipe):
     """A three-channel model's samples of gray images: the datasets give the pipeline the one-channel image (kept so
     in the memory cache too) and make, for every seed, the samples of the gray image repeated first and normalised by
     albumentations."""
     size = 16 if kind == "classification" else 24  # either way the prescale halves the images (32 and 48 px)
     if kind == "classification":
-        dm = MedicalDataModule(root=str(tiny_dataset), image_size=size, in_chans=3, augment="default", val_fraction=0.25,
+        dm = MedicalDataModule(root=str(tiny_dataset), image_size=size, in_chans=3, augment=recipe, val_fraction=0.25,
                                num_workers=0)
     else:
         from tests.helpers.data import planted, write_manifest
@@ -159,7 +163,7 @@ def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tm
             assert kept and all(image.shape[2] == 1 for image in kept), [image.shape for image in kept]
         # the earlier path: the image repeated as it is decoded (prescaled and augmented with three channels),
         # albumentations' Normalize
-        dataset.transform = _reference_transform("default" if augmented else None, size, dm.mean, dm.std)
+        dataset.transform = _reference_transform(recipe if augmented else None, size, dm.mean, dm.std)
         dataset.memory = None  # (validation keeps finished samples)
         if kind == "classification":
             decode = dataset.load_array

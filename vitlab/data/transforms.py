@@ -5,11 +5,12 @@ Every pipeline ends with a resize to ``image_size`` x ``image_size`` and
 user-supplied ``Compose``. Albumentations' ``Compose`` keeps its own random generator: the training loader
 seeds it for every sample from (seed, epoch, index) (:mod:`vitlab.data.sampling`).
 
-A grayscale image given to a model of three input channels is the gray image repeated three times. Where every
-transform of a pipeline acts on each channel alike (:data:`CHANNEL_WISE`: the validation pipeline, and the
-recipes ``none``, ``light`` and ``default``), the pipeline's :class:`Normalize` repeats the channels itself and
-the datasets hand it the one-channel image: the same output, bit for bit (tested for every recipe), for a third
-of the warping and resizing.
+A grayscale image given to a model of three input channels is the gray image repeated three times. The pipelines
+repeat it themselves, after the transforms that act on each channel alike (:data:`CHANNEL_WISE`): in their
+:class:`Normalize` where all do (the validation pipeline, the recipes ``none``, ``light`` and ``default``), else
+just before the first that does not (``strong``'s GaussNoise, :class:`RepeatChannels`), and the datasets hand them
+the one-channel image: the same output, bit for bit (tested for every recipe), for a third of the warping and
+resizing.
 """
 
 from __future__ import annotations
@@ -96,25 +97,49 @@ class Normalize(A.Normalize):
         return ("mean", "std", "repeat_gray")
 
 
+class RepeatChannels(A.ImageOnlyTransform):
+    """A one-channel image (H, W) or (H, W, 1) repeated to (H, W, ``channels``); any other image is unchanged.
+
+    A pipeline puts it just before its first transform that does not act on each channel alike (``strong``'s
+    GaussNoise, a noise field per channel): the transforms before it augment a gray image once. It draws no random
+    number, so every later transform draws what it drew before.
+    """
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(p=1.0)
+        self.channels = channels
+
+    def apply(self, img: np.ndarray, **params) -> np.ndarray:
+        image = img[:, :, None] if img.ndim == 2 else img
+        return np.repeat(image, self.channels, axis=2) if image.shape[2] == 1 < self.channels else image
+
+    def get_transform_init_args_names(self) -> tuple[str, ...]:
+        return ("channels",)
+
+
 # Transforms that act on every channel of an image alike, as the built-in recipes use them: augmenting a gray image
 # and then repeating it gives the repeated image's augmentation, bit for bit (tests/data/test_transforms.py checks
-# every recipe made only of these). GaussNoise (a noise field per channel) is not one: the ``strong`` recipe keeps
-# repeating the channels first. Exact types: a subclass may act otherwise.
+# every recipe). GaussNoise (a noise field per channel) is not one. Exact types: a subclass may act otherwise.
 CHANNEL_WISE = (A.Resize, A.RandomResizedCrop, A.HorizontalFlip, A.VerticalFlip, A.Affine, A.RandomBrightnessContrast,
                 A.RandomGamma, A.GaussianBlur, A.CoarseDropout)
 
 
 def repeats_channels(transform: A.BasicTransform | A.BaseCompose) -> bool:
-    """Whether ``transform`` repeats a one-channel image to its channels itself (:class:`Normalize` with
-    ``repeat_gray``): a dataset then hands it grayscale images with one channel."""
-    return any(isinstance(t, Normalize) and t.repeat_gray for t in _flatten(transform))
+    """Whether ``transform`` repeats a one-channel image to its channels itself (:class:`RepeatChannels`, or
+    :class:`Normalize` with ``repeat_gray``): a dataset then hands it grayscale images with one channel."""
+    return any(isinstance(t, RepeatChannels) or (isinstance(t, Normalize) and t.repeat_gray) for t in _flatten(transform))
 
 
 def _finish(steps: list[A.BasicTransform], mean: Sequence[float], std: Sequence[float], user: bool) -> list:
-    """``steps``, then :class:`Normalize`; it repeats a gray image's channels where every step acts on each channel
-    alike (never after a user's Compose)."""
-    channel_wise = all(type(t) in CHANNEL_WISE for step in steps for t in _flatten(step))
-    return [*steps, Normalize(mean, std, repeat_gray=len(mean) > 1 and channel_wise and not user)]
+    """``steps``, then :class:`Normalize`. A gray image's channels are repeated after the steps that act on each channel
+    alike (:data:`CHANNEL_WISE`): by Normalize when they all do, else by :class:`RepeatChannels` before the first that
+    does not; never in a user's Compose."""
+    if user or len(mean) == 1:
+        return [*steps, Normalize(mean, std)]
+    first = next((i for i, step in enumerate(steps) if any(type(t) not in CHANNEL_WISE for t in _flatten(step))), None)
+    if first is None:
+        return [*steps, Normalize(mean, std, repeat_gray=True)]
+    return [*steps[:first], RepeatChannels(len(mean)), *steps[first:], Normalize(mean, std)]
 
 
 def normalization_stats(
