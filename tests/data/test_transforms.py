@@ -182,3 +182,21 @@ def test_datasets_hand_gray_images_with_one_channel_and_make_the_same_samples(tm
 def _sample(dataset, index: int, seed: int):
     dataset.set_random_state(np.random.default_rng(seed), random.Random(seed))
     return dataset[index]
+
+
+def test_a_dataset_without_the_prescale_repeats_gray_images_itself(tiny_dataset):
+    """Without the prescale an image of twice the output size reaches the pipeline's resize, whose 2 x 2 block average
+    rounds one channel otherwise than three: such a dataset repeats a gray image before the pipeline, as before."""
+    from vitlab.data.datasets.images import MedicalImageDataset
+
+    dm = MedicalDataModule(root=str(tiny_dataset), image_size=16, in_chans=3, val_fraction=0.25, num_workers=0)
+    dm.setup("fit")
+    samples = dm.samples("val")
+    for prescale, kept_gray in ((16, True), (None, False)):
+        dataset = MedicalImageDataset(samples, dm.class_names, eval_transform(16, dm.mean, dm.std), in_chans=3,
+                                      prescale_to=prescale)
+        assert dataset.keep_gray is kept_gray
+        reference = MedicalImageDataset(samples, dm.class_names, _reference_transform(None, 16, dm.mean, dm.std),
+                                        in_chans=3, prescale_to=prescale)
+        for i in range(len(samples)):  # 32 px images: without the prescale the resize halves them
+            assert torch.equal(dataset[i][0], reference[i][0])
