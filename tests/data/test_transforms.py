@@ -128,6 +128,20 @@ def test_a_gray_image_augmented_once_then_repeated_is_the_repeated_images_augmen
             np.testing.assert_array_equal(results[0], results[1], err_msg=f"{recipe}, seed {seed}, {image.shape}")
 
 
+def test_the_pipelines_survive_albumentations_serialisation():
+    rng = np.random.default_rng(1)
+    image = rng.random((40, 40, 1), dtype=np.float32)
+    for pipeline in (train_transform(32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3), augment="strong", seed=3),
+                     eval_transform(32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))):
+        again = A.from_dict(A.to_dict(pipeline))
+        assert [type(t) for t in again.transforms] == [type(t) for t in pipeline.transforms] and repeats_channels(again)
+        outputs = []
+        for transform in (pipeline, again):
+            transform.set_random_state(np.random.default_rng(5), random.Random(5))
+            outputs.append(transform(image=image.copy())["image"])
+        np.testing.assert_array_equal(*outputs)
+
+
 def _reference_transform(recipe: str | None, size: int, mean, std) -> A.Compose:
     steps = [A.Resize(size, size, area_for_downscale="image")] if recipe is None else AUGMENT_RECIPES[recipe](size)
     return A.Compose([*steps, _albumentations_normalize(mean, std)], seed=0)

@@ -74,8 +74,8 @@ class Normalize(A.Normalize):
     once per channel.
     """
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], repeat_gray: bool = False) -> None:
-        super().__init__(mean=tuple(mean), std=tuple(std), max_pixel_value=1.0)
+    def __init__(self, mean: Sequence[float], std: Sequence[float], repeat_gray: bool = False, p: float = 1.0) -> None:
+        super().__init__(mean=tuple(mean), std=tuple(std), max_pixel_value=1.0, p=p)
         self.repeat_gray = repeat_gray
 
     def apply(self, img: np.ndarray, **params) -> np.ndarray:
@@ -105,8 +105,8 @@ class RepeatChannels(A.ImageOnlyTransform):
     number, so every later transform draws what it drew before.
     """
 
-    def __init__(self, channels: int) -> None:
-        super().__init__(p=1.0)
+    def __init__(self, channels: int, p: float = 1.0) -> None:
+        super().__init__(p=p)
         self.channels = channels
 
     def apply(self, img: np.ndarray, **params) -> np.ndarray:
