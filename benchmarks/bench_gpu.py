@@ -22,7 +22,9 @@ What it runs (about 5 minutes on one H100 / H200):
    validation), whole-epoch images/s (epoch start to the next epoch start: validation, callbacks and checkpoints
    included) and the epoch's seconds split into steps, validation and the rest, the training loop's
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
-   start, the seconds the epoch's checkpoints take, and the peak GPU memory. The default runs also profile 5 steps
+   start, the seconds the epoch's checkpoints take, the background threads' work (the seconds of Q/K/V work and of
+   checkpoint writing running in the epoch, and how long after an epoch's end its Q/K/V work is done: beyond an
+   epoch, the next epoch's end waits for it), and the peak GPU memory. The default runs also profile 5 steps
    in the middle of the second epoch (``torch.profiler``, tables written beside the results); those steps, the
    profiler's start and stop and the tables' writing are left out of that epoch's figures (the time left out is
    printed).
@@ -204,6 +206,47 @@ for cls in (QKVSnapshot, QKVDrift, QKSpectra):
     timed(cls, "on_train_epoch_end", "callbacks")
     timed(cls, "on_fit_start", "fit_start")
 
+# the work left to background threads: each Q/K/V job (handed over, started, ended, its thread's CPU seconds) and
+# each checkpoint write (its wait for the Q/K/V work it covers, then the file), on the threads that run them
+background = {"qkv": [], "settle": [], "write": []}
+from vitlab.callbacks import RuntimeCallback
+from vitlab.qkv.worker import QKVWorker
+_submit = QKVWorker.submit
+def timed_submit(self, job):
+    queued = time.perf_counter()
+    def run():
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return job()
+        finally:
+            background["qkv"].append((queued, start, time.perf_counter(), time.thread_time() - cpu))
+    return _submit(self, run)
+QKVWorker.submit = timed_submit
+def timed_thread(owner, name, key):
+    original = getattr(owner, name)
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            background[key].append((start, time.perf_counter()))
+    setattr(owner, name, wrapper)
+timed_thread(RuntimeCallback, "_settle", "settle")
+timed_thread(BackgroundCheckpointIO, "_write", "write")
+
+# the background threads' work in the epoch [start, end): seconds of Q/K/V jobs and checkpoint writes running in it
+# (the writer's wait for the Q/K/V work a checkpoint covers counted apart), and how long after the epoch handed its
+# Q/K/V work over the last of it was done (beyond the next epoch's length, the pipeline falls behind)
+def background_work(start, end):
+    def running(spans):
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+    handed = [j for j in background["qkv"] if start <= j[0] < end]
+    return {"qkv_busy_s": running([(j[1], j[2]) for j in background["qkv"]]),
+            "qkv_cpu_s": sum(j[3] for j in background["qkv"] if start <= j[1] < end),
+            "qkv_done_after_s": max(j[2] for j in handed) - min(j[0] for j in handed) if handed else 0.0,
+            "write_s": running(background["write"]), "settle_s": running(background["settle"])}
+
 from vitlab.cli import fit
 cli = fit(sys.argv[1:])
 timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, EpochTimer))
@@ -221,7 +264,7 @@ for epoch in timer.epochs:
                 "to_first_s": epoch["first"] - epoch["start"], "after_val_s": end - epoch.get("val_end", epoch["last"]),
                 "epoch_s": epoch["epoch_s"] - window["seconds"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
-                "ckpt_io_s": sum(inside("ckpt_io"))})
+                "ckpt_io_s": sum(inside("ckpt_io")), **background_work(epoch["start"], end)})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
@@ -386,6 +429,9 @@ def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = Fal
     return json.loads(line[len("RESULT "):])
 
 
+BACKGROUND = ("qkv_busy_s", "qkv_cpu_s", "qkv_done_after_s", "write_s", "settle_s")  # per epoch (see FIT_CHILD)
+
+
 def summarise(run: dict) -> dict[str, float]:
     """Means over the epochs after the first (the warm-up)."""
     epochs = run["epochs"][1:] or run["epochs"]
@@ -403,6 +449,8 @@ def summarise(run: dict) -> dict[str, float]:
             "ckpt_dump_s_per_epoch": sum(e.get("ckpt_dump_s", 0.0) for e in epochs) / len(epochs),
             "ckpt_io_s_per_epoch": sum(e.get("ckpt_io_s", 0.0) for e in epochs) / len(epochs),
             "profiled_s": sum(e.get("profiled_s", 0.0) for e in epochs) / len(epochs),
+            **{key: sum(e.get(key, 0.0) for e in epochs) / len(epochs) for key in BACKGROUND},
+            "qkv_done_after_max_s": max(e.get("qkv_done_after_s", 0.0) for e in epochs),
             "fit_start_callbacks_s": run["fit_start_callbacks_s"], "peak_gib": run["peak_gib"], "workers": run["workers"],
             "threads": run["threads"], "val_images": run["val_images"]}
 
@@ -480,7 +528,11 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
             f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); step median {run.get('median_step_ms', 0):.1f} ms, "
             f"90th percentile {run.get('p90_step_ms', 0):.1f} ms"
-            + (f"; left out: {run['profiled_s']:.2f} s/epoch of 5 profiled steps" if run.get("profiled_s") else ""))
+            + (f"; left out: {run['profiled_s']:.2f} s/epoch of 5 profiled steps" if run.get("profiled_s") else "")
+            + (f"; background threads per epoch: Q/K/V work {run['qkv_busy_s']:.2f} s ({run['qkv_cpu_s']:.2f} s of its thread's "
+               f"CPU), done {run['qkv_done_after_s']:.2f} s after the hand-over (at most {run['qkv_done_after_max_s']:.2f} s), "
+               f"checkpoint writes {run['write_s']:.2f} s (+ {run['settle_s']:.2f} s waiting for the Q/K/V work)"
+               if "qkv_busy_s" in run else ""))
 
 
 def report(results: dict, args) -> None:
@@ -496,6 +548,11 @@ def report(results: dict, args) -> None:
             bare_epoch = run["images_per_epoch"] / bare["train_ips"] + run["val_images"] / bare["eval_ips"]
             print(f"vit whole epoch: {run['epoch_s']:.2f} s against the bare loop's {bare_epoch:.2f} s for the same training and "
                   f"validation images = {bare_epoch / run['epoch_s']:.2f}x (target >= 0.8x)")
+            if "qkv_done_after_s" in run:
+                behind = run["qkv_done_after_max_s"] > run["epoch_s"]
+                print(f"vit Q/K/V work of an epoch: done {run['qkv_done_after_s']:.2f} s after the epoch handed it over (at most "
+                      f"{run['qkv_done_after_max_s']:.2f} s) against an epoch of {run['epoch_s']:.2f} s: "
+                      + ("it falls behind, and the next epoch's end waits for it" if behind else "it keeps up"))
             if "vit/nocallbacks" in results:
                 cost = run["epoch_s"] - results["vit/nocallbacks"]["epoch_s"]
                 print(f"vit Q/K/V callbacks' whole cost: {cost:+.3f} s per epoch = {cost / run['epoch_s']:+.1%} of it "
