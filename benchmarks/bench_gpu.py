@@ -4,6 +4,7 @@
                                    [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread]
                                    [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
+                                             # (the Q/K/V work and checkpoints on their threads, as beside a GPU)
 
 What it runs (about 5 minutes on one H100 / H200):
 
@@ -168,7 +169,7 @@ class EpochTimer(pl.Callback):
             self.epochs.append(self.current)
 
 spans = {"fetch": [], "callbacks": [], "checkpoints": [], "fit_start": [], "ckpt_dump": [], "ckpt_io": []}
-def timed(owner, name, key):
+def timed(owner, name, key, store=spans):  # each call's (end, seconds) in store[key], on the thread that makes it
     original = getattr(owner, name)
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -176,7 +177,8 @@ def timed(owner, name, key):
         try:
             return original(*args, **kwargs)
         finally:
-            spans[key].append((time.perf_counter(), time.perf_counter() - start))
+            end = time.perf_counter()
+            store[key].append((end, end - start))
     setattr(owner, name, wrapper)
 
 from vitlab.callbacks import QKSpectra, QKVDrift, QKVSnapshot
@@ -222,30 +224,26 @@ def timed_submit(self, job):
             background["qkv"].append((queued, start, time.perf_counter(), time.thread_time() - cpu))
     return _submit(self, run)
 QKVWorker.submit = timed_submit
-def timed_thread(owner, name, key):
-    original = getattr(owner, name)
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            background[key].append((start, time.perf_counter()))
-    setattr(owner, name, wrapper)
-timed_thread(RuntimeCallback, "_settle", "settle")
-timed_thread(BackgroundCheckpointIO, "_write", "write")
+if os.environ.get("BENCH_BACKGROUND"):  # (--smoke on the CPU: the Q/K/V work and the checkpoints on their threads, as beside a GPU)
+    _init = QKVWorker.__init__
+    QKVWorker.__init__ = lambda self, background: _init(self, True)
+    _runtime_init = RuntimeCallback.__init__
+    RuntimeCallback.__init__ = lambda self, figures="auto", workers=0, checkpoints="auto": _runtime_init(self, figures, workers, "background")
+timed(RuntimeCallback, "_settle", "settle", background)
+timed(BackgroundCheckpointIO, "_write", "write", background)
 
 # the background threads' work in the epoch [start, end): seconds of Q/K/V jobs and checkpoint writes running in it
 # (the writer's wait for the Q/K/V work a checkpoint covers counted apart), and how long after the epoch handed its
 # Q/K/V work over the last of it was done (beyond the next epoch's length, the pipeline falls behind)
 def background_work(start, end):
-    def running(spans):
-        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+    def running(intervals):
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)
     handed = [j for j in background["qkv"] if start <= j[0] < end]
     return {"qkv_busy_s": running([(j[1], j[2]) for j in background["qkv"]]),
             "qkv_cpu_s": sum(j[3] for j in background["qkv"] if start <= j[1] < end),
             "qkv_done_after_s": max(j[2] for j in handed) - min(j[0] for j in handed) if handed else 0.0,
-            "write_s": running(background["write"]), "settle_s": running(background["settle"])}
+            "write_s": running([(done - seconds, done) for done, seconds in background["write"]]),
+            "settle_s": running([(done - seconds, done) for done, seconds in background["settle"]])}
 
 from vitlab.cli import fit
 cli = fit(sys.argv[1:])
@@ -267,6 +265,7 @@ for epoch in timer.epochs:
                 "ckpt_io_s": sum(inside("ckpt_io")), **background_work(epoch["start"], end)})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
+                              "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
                               "val_images": len(cli.datamodule.samples("val"))}))
 """
@@ -413,10 +412,13 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
     return args + ["--trainer.callbacks", json.dumps(callbacks)]
 
 
-def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False) -> dict | None:
-    """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run."""
+def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False) -> dict | None:
+    """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run.
+    ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "HF_HUB_OFFLINE": "1"}
+    if background:
+        env["BENCH_BACKGROUND"] = "1"
     if profile is not None:
         env["BENCH_PROFILE"] = str(profile)
     if memdata:
@@ -452,6 +454,7 @@ def summarise(run: dict) -> dict[str, float]:
             **{key: sum(e.get(key, 0.0) for e in epochs) / len(epochs) for key in BACKGROUND},
             "qkv_done_after_max_s": max(e.get("qkv_done_after_s", 0.0) for e in epochs),
             "fit_start_callbacks_s": run["fit_start_callbacks_s"], "peak_gib": run["peak_gib"], "workers": run["workers"],
+            "background_writes": run.get("background_writes", 0), "qkv_jobs": run.get("qkv_jobs", 0),
             "threads": run["threads"], "val_images": run["val_images"]}
 
 
@@ -504,7 +507,7 @@ def main() -> None:
             print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
-                         memdata=variant == "memdata")
+                         memdata=variant == "memdata", background=args.smoke)
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)
