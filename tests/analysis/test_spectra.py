@@ -159,3 +159,30 @@ def test_block_spectra_solve_blocks_of_one_shape_together_as_each_alone():
         for field in ("sym_eigvals", "asym_imag", "singular_values", "positive_mass", "symmetry_score", "effective_rank"):
             torch.testing.assert_close(getattr(batched[name], field), getattr(alone, field), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(getattr(batched[name].summed, field), getattr(alone.summed, field), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("summed_width,heads,hd", [(48, 4, 12), (24, 2, 16)])
+def test_without_the_antisymmetric_eigenvalues_every_other_field_is_the_same(summed_width, heads, hd):
+    """``antisymmetric=False`` skips A's eigenproblems only: the other fields are the same tensors, bit for bit, and
+    the symmetry score (from the matrix, tr(M^2) / |M|_F^2) agrees with the one its eigenvalues give."""
+    from vitlab.analysis.spectra import block_spectra
+
+    gen = torch.Generator().manual_seed(summed_width + hd)
+    state, names = {}, ("blocks.0", "blocks.1")
+    for name in names:
+        for m in "qk":
+            state[f"{name}.{m}.weight"] = torch.randn(heads * hd, summed_width, generator=gen)
+    both = block_spectra(state, dict.fromkeys(names, heads), out_device="cpu")
+    lean = block_spectra(state, dict.fromkeys(names, heads), out_device="cpu", antisymmetric=False)
+    single = qk_spectra(state["blocks.1.q.weight"], state["blocks.1.k.weight"], heads, antisymmetric=False)
+    for name in names:
+        for full, part in ((both[name], lean[name]), (both[name].summed, lean[name].summed)):
+            assert part.asym_imag is None and full.asym_imag is not None
+            for field in ("sym_eigvals", "singular_values", "positive_mass", "symmetry_score", "effective_rank"):
+                assert torch.equal(getattr(full, field), getattr(part, field)), (name, field)
+            # |S|^2 - |A|^2 over |M|^2, with |A|^2 from A's eigenvalues (each +-i lambda pair twice)
+            s_sq, a_sq = full.sym_eigvals.square().sum(1), 2 * full.asym_imag.square().sum(1)
+            torch.testing.assert_close(full.symmetry_score, (s_sq - a_sq) / (s_sq + a_sq), rtol=1e-10, atol=1e-12)
+    for field in ("sym_eigvals", "singular_values", "symmetry_score", "positive_mass", "effective_rank"):
+        torch.testing.assert_close(getattr(single, field), getattr(lean["blocks.1"], field), rtol=1e-12, atol=1e-12)
+    assert single.asym_imag is None and single.summed.asym_imag is None

@@ -35,17 +35,19 @@ class QKSpectra:
 
     Attributes:
         sym_eigvals: (H, k) eigenvalues of S = (M + M^T)/2 that can be nonzero; S's other C - k are 0.
-        asym_imag: (H, k // 2) the lambda >= 0 of A = (M - M^T)/2's eigenvalue pairs +-i*lambda.
+        asym_imag: (H, k // 2) the lambda >= 0 of A = (M - M^T)/2's eigenvalue pairs +-i*lambda, or None when
+            not requested (``antisymmetric=False``: one eigenproblem fewer per matrix).
         singular_values: (H, min(C, hd)) singular values of M (its rank is at most hd).
         positive_mass: (H,) rho+ = sum_{lambda>0} lambda / sum |lambda| over S's spectrum (NaN when S = 0).
-        symmetry_score: (H,) (|S|_F^2 - |A|_F^2) / |M|_F^2 in [-1, 1]: 1 symmetric, -1 antisymmetric.
+        symmetry_score: (H,) (|S|_F^2 - |A|_F^2) / |M|_F^2 = tr(M^2) / |M|_F^2 in [-1, 1]: 1 symmetric,
+            -1 antisymmetric (computed from the matrix, so it needs no eigenvalues).
         effective_rank: (H,) Roy & Vetterli's effective rank of M (see :func:`effective_rank`).
         summed: the same fields for the head-summed matrix sum_h M_h = Wq^T Wk (one "head" of width C, so
             H = 1 there and k = C), or None when not requested.
     """
 
     sym_eigvals: Tensor
-    asym_imag: Tensor
+    asym_imag: Tensor | None
     singular_values: Tensor
     positive_mass: Tensor
     symmetry_score: Tensor
@@ -120,37 +122,40 @@ def _small_form(wq_h: Tensor, wk_h: Tensor) -> tuple[Tensor, Tensor]:
     return m_core, m_core[..., :hd, :]
 
 
-def _spectra(wq_h: Tensor, wk_h: Tensor) -> QKSpectra:
-    """Spectra of M_h = wq_h^T wk_h for a batch of heads; wq_h, wk_h (H, hd, C), any real dtype."""
+def _spectra(wq_h: Tensor, wk_h: Tensor, antisymmetric: bool = True) -> QKSpectra:
+    """Spectra of M_h = wq_h^T wk_h for a batch of heads; wq_h, wk_h (H, hd, C), any real dtype. ``antisymmetric``:
+    also A's eigenvalues (else ``asym_imag`` is None; every other field is the same)."""
     hd, width = wq_h.shape[1:]
     m_core, m_rows = _small_form(wq_h, wk_h)
     k = m_core.shape[-1]
     sym = 0.5 * (m_core + m_core.mT)  # (H, k, k) S in the basis
-    asym = 0.5 * (m_core - m_core.mT)  # (H, k, k) A in the basis
     sym_eigvals = torch.linalg.eigvalsh(sym).flip(-1)  # (H, k) descending
-    # A is normal with eigenvalues +-i*lambda, so A^T A = -A^2 has each lambda^2 twice; likewise
-    # M M^T has sigma^2. Squaring puts the noise floor at ~1e-8 of the largest value: below the rounding
-    # of float32 weights (6e-8 relative), which bounds what these spectra can mean anyway.
-    lambda_sq = torch.linalg.eigvalsh(asym.mT @ asym).flip(-1)[..., : 2 * (k // 2)]  # (H, 2*(k//2)) in pairs
-    asym_imag = lambda_sq.reshape(*lambda_sq.shape[:-1], k // 2, 2).mean(-1).clamp_min(0.0).sqrt()  # (H, k//2)
+    asym_imag = None
+    if antisymmetric:
+        asym = 0.5 * (m_core - m_core.mT)  # (H, k, k) A in the basis
+        # A is normal with eigenvalues +-i*lambda, so A^T A = -A^2 has each lambda^2 twice; likewise
+        # M M^T has sigma^2. Squaring puts the noise floor at ~1e-8 of the largest value: below the rounding
+        # of float32 weights (6e-8 relative), which bounds what these spectra can mean anyway.
+        lambda_sq = torch.linalg.eigvalsh(asym.mT @ asym).flip(-1)[..., : 2 * (k // 2)]  # (H, 2*(k//2)) in pairs
+        asym_imag = lambda_sq.reshape(*lambda_sq.shape[:-1], k // 2, 2).mean(-1).clamp_min(0.0).sqrt()  # (H, k//2)
     short_side = m_rows @ m_rows.mT if m_rows.shape[-2] <= m_rows.shape[-1] else m_rows.mT @ m_rows
     singular_values = torch.linalg.eigvalsh(short_side).flip(-1)[..., : min(hd, width)].clamp_min(0.0).sqrt()
 
     positive_mass = sym_eigvals.clamp_min(0.0).sum(-1) / sym_eigvals.abs().sum(-1)  # (H,); 0/0 -> NaN for S = 0
-    sym_norm_sq = sym_eigvals.square().sum(-1)  # |S|_F^2
-    asym_norm_sq = 2.0 * asym_imag.square().sum(-1)  # |A|_F^2 (each lambda appears twice)
-    m_norm_sq = singular_values.square().sum(-1)  # |M|_F^2
+    # |S|_F^2 - |A|_F^2 = sum_ij M_ij M_ji = tr(M^2), |M|_F^2 = sum_ij M_ij^2: the same in the orthonormal basis
+    # (M = Q m_core Q^T), and from the matrix itself, whether or not A's eigenvalues are computed
+    symmetry_score = (m_core * m_core.mT).sum((-2, -1)) / m_core.square().sum((-2, -1))  # (H,); NaN for M = 0
     return QKSpectra(
         sym_eigvals=sym_eigvals,
         asym_imag=asym_imag,
         singular_values=singular_values,
         positive_mass=positive_mass,
-        symmetry_score=(sym_norm_sq - asym_norm_sq) / m_norm_sq,
+        symmetry_score=symmetry_score,
         effective_rank=effective_rank(singular_values),
     )
 
 
-def qk_spectra(wq: Tensor, wk: Tensor, num_heads: int, summed: bool = True) -> QKSpectra:
+def qk_spectra(wq: Tensor, wk: Tensor, num_heads: int, summed: bool = True, antisymmetric: bool = True) -> QKSpectra:
     """Spectra of the per-head query-key matrices M_h = Wq_h^T Wk_h and of their sum.
 
     Per head this is exact and cheap (QR of the C x 2hd factor, then 2hd x 2hd problems, batched over heads,
@@ -163,15 +168,17 @@ def qk_spectra(wq: Tensor, wk: Tensor, num_heads: int, summed: bool = True) -> Q
         wk: (H*hd, C) key weight, same layout.
         num_heads: H.
         summed: also compute the head-summed spectra (``result.summed``).
+        antisymmetric: also the eigenvalues of the antisymmetric parts (``asym_imag``; a quarter of the time of
+            the head-summed spectra); the other fields are the same without them.
 
     Returns:
         :class:`QKSpectra` with per-head fields (H, ...) and ``summed`` (H = 1) or None.
     """
     wq_h, wk_h = _split_heads(wq, wk, num_heads)  # (H, hd, C) each
-    per_head = _spectra(wq_h, wk_h)
+    per_head = _spectra(wq_h, wk_h, antisymmetric)
     if not summed:
         return per_head
-    total = _spectra(wq.detach().unsqueeze(0), wk.detach().to(wq.device).unsqueeze(0))  # one head of width C
+    total = _spectra(wq.detach().unsqueeze(0), wk.detach().to(wq.device).unsqueeze(0), antisymmetric)  # one head of width C
     return QKSpectra(**{**per_head.__dict__, "summed": total})
 
 
@@ -193,13 +200,13 @@ def qk_matrices(wq: Tensor, wk: Tensor, num_heads: int) -> Tensor:
 _FIELDS = ("sym_eigvals", "asym_imag", "singular_values", "positive_mass", "symmetry_score", "effective_rank")
 
 
-def _rows(spectra: QKSpectra, rows: slice) -> QKSpectra:
-    """The heads ``rows`` of a batch of spectra (views)."""
-    return QKSpectra(**{name: getattr(spectra, name)[rows] for name in _FIELDS})
+def _each_field(spectra: QKSpectra, fn) -> QKSpectra:
+    """``fn`` applied to every field computed (``asym_imag`` may be None); without ``summed``."""
+    return QKSpectra(**{name: None if getattr(spectra, name) is None else fn(getattr(spectra, name)) for name in _FIELDS})
 
 
 def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool = True,
-                  out_device: str | torch.device | None = None) -> dict[str, QKSpectra]:
+                  out_device: str | torch.device | None = None, antisymmetric: bool = True) -> dict[str, QKSpectra]:
     """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.qkv.state.qkv_state`).
 
     Blocks of one shape (heads, rows, width) are solved together: their heads are stacked into one batch of
@@ -212,6 +219,7 @@ def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool 
         summed: Also the head-summed spectra (``QKSpectra.summed``).
         out_device: Where the results are returned (``"cpu"``: one copy per field and shape group); None: where
             they were computed.
+        antisymmetric: Also the antisymmetric parts' eigenvalues (``asym_imag``, else None), as in :func:`qk_spectra`.
 
     Returns:
         Block name -> :class:`QKSpectra` (per head, with ``summed``), in the order of ``heads``.
@@ -222,15 +230,16 @@ def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool 
     out: dict[str, QKSpectra] = {}
     for (num_heads, _), members in groups.items():
         split = [_split_heads(state[f"{b}.q.weight"], state[f"{b}.k.weight"], num_heads) for b in members]
-        per_head = _spectra(torch.cat([q for q, _ in split]), torch.cat([k for _, k in split]))  # (n * H, ...)
+        per_head = _spectra(torch.cat([q for q, _ in split]), torch.cat([k for _, k in split]), antisymmetric)  # (n * H, ...)
         total = None
         if summed:  # each block's whole (H * hd, C) weights as one "head"
             total = _spectra(torch.stack([state[f"{b}.q.weight"].detach() for b in members]),
-                             torch.stack([state[f"{b}.k.weight"].detach() for b in members]).to(split[0][0].device))
+                             torch.stack([state[f"{b}.k.weight"].detach() for b in members]).to(split[0][0].device),
+                             antisymmetric)
         if out_device is not None:
-            per_head = QKSpectra(**{name: getattr(per_head, name).to(out_device) for name in _FIELDS})
-            total = None if total is None else QKSpectra(**{name: getattr(total, name).to(out_device) for name in _FIELDS})
+            per_head = _each_field(per_head, lambda t: t.to(out_device))
+            total = None if total is None else _each_field(total, lambda t: t.to(out_device))
         for i, block in enumerate(members):
-            head = _rows(per_head, slice(i * num_heads, (i + 1) * num_heads))
-            out[block] = QKSpectra(**{**head.__dict__, "summed": None if total is None else _rows(total, slice(i, i + 1))})
+            head = _each_field(per_head, lambda t: t[i * num_heads: (i + 1) * num_heads])
+            out[block] = QKSpectra(**{**head.__dict__, "summed": None if total is None else _each_field(total, lambda t: t[i: i + 1])})
     return {block: out[block] for block in heads}

@@ -67,8 +67,9 @@ class QKSpectra(EpochCallback, pl.Callback):
         figures = worker is not None and figures_due(trainer, epoch, self.figures_every_n_epochs)
         step, on_host = epoch_end_step(trainer) if epoch else 0, self.device == "cpu"
 
-        def report() -> None:
-            spectra = block_spectra(capture.host() if on_host else capture.tensors, heads, out_device="cpu")
+        def report() -> None:  # (A's eigenvalues only for the figures' curves: the scalars and the table need none)
+            spectra = block_spectra(capture.host() if on_host else capture.tensors, heads, out_device="cpu",
+                                    antisymmetric=figures)
             report_spectra(writer, spectra, step, table, epoch, figures, worker)
 
         submit_epoch_work(trainer, pl_module, report)

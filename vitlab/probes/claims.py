@@ -131,7 +131,7 @@ def ablation_result(run: Path) -> tuple[str, list[str], float, int]:
 def evaluate(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], heads: dict[str, int], ablations, permutations: int, seed: int) -> list[C.Claim]:
     """All claims of one weight pair (+ ablation results)."""
     rows, _ = drift_tables(ref, cur, list(heads))
-    spectra = block_spectra(cur, heads)
+    spectra = block_spectra(cur, heads, antisymmetric=False)  # (the claims read scalars only)
     summed = {b: {k: float(getattr(s.summed, k)[0]) for k in ("positive_mass", "symmetry_score", "effective_rank")} for b, s in spectra.items()}
     head_mean = {b: float(s.positive_mass.float().mean()) for b, s in spectra.items()}
     spectral = [
