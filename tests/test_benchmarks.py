@@ -32,13 +32,37 @@ def test_without_a_gpu_the_gpu_benchmarks_say_so_in_one_line(script):
     assert len(lines) == 1 and "no CUDA GPU" in lines[0]
 
 
+def _session(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``benchmarks/gpu_session.sh`` as a lent GPU machine runs it, its temp files under ``tmp_path``."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), str(out)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    return done, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the scripts would measure")
+def test_without_a_gpu_the_session_script_keeps_each_benchmarks_line(tmp_path):
+    done, out = _session(tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("bench_gpu.txt", "ladder.txt"):
+        text = (out / name).read_text()
+        assert "no CUDA GPU" in text and "exit status 0" in text, text
+    assert all(path.is_file() for path in out.iterdir())
+
+
 def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
-    """Data made on the machine, the bare loops, vitlab's fits in new processes (the default one profiled), the fit fed
-    from memory, the report and its JSON."""
-    done = _run("bench_gpu.py", "--smoke", "--task", "vit", "swinunetr", "--variants", "memdata", "--epochs", "2",
-                "--out", str(tmp_path))
+    """Through the session script a lent GPU machine runs: data made on the machine, the bare loops, vitlab's fits in
+    new processes (the default one profiled), the fit fed from memory, the report and its JSON; what comes back is a
+    few files (the data and runs stay in the temp folder)."""
+    done, out = _session(tmp_path, GPU_SESSION_SMOKE="1", GPU_SESSION_LADDER="0",
+                         BENCH_GPU_ARGS="--task vit swinunetr --variants memdata --epochs 2")
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    results = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert sorted(path.name for path in out.iterdir()) == ["bench_gpu.json", "bench_gpu.txt", "results.tar.gz"]
+    report = (out / "bench_gpu.txt").read_text()
+    assert "bench_gpu.py exit status 0" in report
+    results = json.loads((out / "bench_gpu.json").read_text())
     for run in ("vit/default", "vit/memdata", "swinunetr/default"):
         figures = results[run]
         assert figures["train_ips"] > 0 and figures["epoch_ips"] > 0 and figures["step_ms"] > 0, run
@@ -51,6 +75,12 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
     for run in ("vit/default", "swinunetr/default"):
         assert results[run]["background_writes"] > 0 and results[run]["qkv_jobs"] > 0, run
         assert results[run]["qkv_done_after_s"] > 0, run
-    assert "vit Q/K/V work of an epoch: done" in done.stdout
-    assert (tmp_path / "profile_vit.txt").read_text().startswith("torch.profiler over 5 training steps")
-    assert "vit whole epoch:" in done.stdout and "x bare" in done.stdout
+    assert "vit Q/K/V work of an epoch: done" in report
+    import tarfile
+
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+        assert "gpu/bench_gpu.json" in names and "gpu/profile_vit.txt" in names, names
+        profile = archive.extractfile("gpu/profile_vit.txt").read().decode()
+    assert profile.startswith("torch.profiler over 5 training steps")
+    assert "vit whole epoch:" in report and "x bare" in report

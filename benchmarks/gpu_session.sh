@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU measurements as one command, for a GPU machine lent for a few minutes (one call, nothing to set up there).
+#
+#   bash benchmarks/gpu_session.sh [OUT]          # from the repository root; OUT defaults to $OUT, else a temp folder
+#
+# 1. Installs the wheels in .whl/ when there are any (benchmarks/gpu_wheels.py fetches them where an index is
+#    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
+#    (py-spy) on PATH.
+# 2. Runs `bench_gpu.py` (the default runs, `memdata` and `nocallbacks`) and then `bench_gpu_ladder.py --py-spy`,
+#    each under its own time limit, with their data, runs and py-spy files in a temp folder, not in OUT: the data
+#    are thousands of files, and a machine lent for minutes may return only a few files.
+# 3. Leaves in OUT at most five files: bench_gpu.txt and ladder.txt (what each printed), bench_gpu.json, and
+#    results.tar.gz (the JSON, torch.profiler's tables, py-spy's stacks and lock-holder samples).
+#
+# Without a GPU each benchmark says so in one line. Environment (defaults in brackets): GPU_SESSION_SMOKE=1 runs both
+# with --smoke (tiny models on the CPU: checks this script); BENCH_GPU_ARGS [--task vit swinunetr --variants memdata
+# nocallbacks], BENCH_GPU_S [330] and LADDER_S [230] (seconds), GPU_SESSION_LADDER=0 leaves the ladder out, PYTHON
+# [python3] the interpreter.
+set -u
+out=${1:-${OUT:-$(mktemp -d -t vitlab-gpu-session-XXXXXX)}}
+mkdir -p "$out"
+work=$(mktemp -d -t vitlab-gpu-work-XXXXXX)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_session: the wheels in .whl/ did not install" >&2; exit 2; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+smoke=()
+[ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
+read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants memdata nocallbacks}"
+
+{
+    echo "gpu_session: $(date -u +%FT%TZ), $(nproc) cores; py-spy: $(command -v py-spy || echo none)"
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    timeout "${BENCH_GPU_S:-330}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" "${smoke[@]}"
+    echo "gpu_session: bench_gpu.py exit status $?"
+} 2>&1 | tee "$out/bench_gpu.txt"
+if [ "${GPU_SESSION_LADDER:-1}" != 0 ]; then
+    {
+        timeout "${LADDER_S:-230}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" "${smoke[@]}"
+        echo "gpu_session: bench_gpu_ladder.py exit status $?"
+    } 2>&1 | tee "$out/ladder.txt"
+fi
+[ -f "$work/gpu/bench_gpu.json" ] && cp "$work/gpu/bench_gpu.json" "$out/"
+kept=()
+for path in gpu/bench_gpu.json gpu/profile_vit.txt gpu/profile_swinunetr.txt pyspy; do
+    [ -e "$work/$path" ] && kept+=("$path")
+done
+if [ ${#kept[@]} -gt 0 ]; then
+    tar -czf "$out/results.tar.gz" -C "$work" "${kept[@]}"
+fi
+echo "gpu_session: in $out: $(cd "$out" && ls | tr '\n' ' ')"
