@@ -35,12 +35,12 @@ read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants mem
 {
     echo "gpu_session: $(date -u +%FT%TZ), $(nproc) cores; py-spy: $(command -v py-spy || echo none)"
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    timeout "${BENCH_GPU_S:-330}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" "${smoke[@]}"
+    timeout "${BENCH_GPU_S:-330}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" ${smoke[@]+"${smoke[@]}"}
     echo "gpu_session: bench_gpu.py exit status $?"
 } 2>&1 | tee "$out/bench_gpu.txt"
 if [ "${GPU_SESSION_LADDER:-1}" != 0 ]; then
     {
-        timeout "${LADDER_S:-230}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" "${smoke[@]}"
+        timeout "${LADDER_S:-230}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" ${smoke[@]+"${smoke[@]}"}
         echo "gpu_session: bench_gpu_ladder.py exit status $?"
     } 2>&1 | tee "$out/ladder.txt"
 fi
