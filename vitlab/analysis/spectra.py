@@ -133,11 +133,11 @@ def _spectra(wq_h: Tensor, wk_h: Tensor, antisymmetric: bool = True) -> QKSpectr
     asym_imag = None
     if antisymmetric:
         asym = 0.5 * (m_core - m_core.mT)  # (H, k, k) A in the basis
-        # A is normal with eigenvalues +-i*lambda, so A^T A = -A^2 has each lambda^2 twice; likewise
-        # M M^T has sigma^2. Squaring puts the noise floor at ~1e-8 of the largest value: below the rounding
-        # of float32 weights (6e-8 relative), which bounds what these spectra can mean anyway.
+        # A is normal with eigenvalues +-i*lambda, so A^T A = -A^2 has each lambda^2 twice
         lambda_sq = torch.linalg.eigvalsh(asym.mT @ asym).flip(-1)[..., : 2 * (k // 2)]  # (H, 2*(k//2)) in pairs
         asym_imag = lambda_sq.reshape(*lambda_sq.shape[:-1], k // 2, 2).mean(-1).clamp_min(0.0).sqrt()  # (H, k//2)
+    # M M^T has the sigma^2. Squaring (here and for A above) puts the noise floor at ~1e-8 of the largest value:
+    # below the rounding of float32 weights (6e-8 relative), which bounds what these spectra can mean anyway.
     short_side = m_rows @ m_rows.mT if m_rows.shape[-2] <= m_rows.shape[-1] else m_rows.mT @ m_rows
     singular_values = torch.linalg.eigvalsh(short_side).flip(-1)[..., : min(hd, width)].clamp_min(0.0).sqrt()
 
