@@ -99,12 +99,87 @@ def test_pinned_buffers_are_reused_for_checkpoints_of_the_same_layout(tmp_path):
     weights = torch.randn(64, 64, device="cuda")
     io.save_checkpoint({"w": weights}, tmp_path / "a.ckpt")
     io.wait()
-    (buffers,) = io._free[((tuple(weights.shape), weights.dtype),)]
+    (buffers,) = [io._latest.buffers]
+    assert buffers[0].is_pinned()
     weights.mul_(2)
-    io.save_checkpoint({"w": weights}, tmp_path / "b.ckpt")
+    io.save_checkpoint({"w": weights}, tmp_path / "b.ckpt")  # (no step: nothing shared) free once a was written
     io.wait()
-    assert io._free[((tuple(weights.shape), weights.dtype),)][0] is buffers
+    assert io._latest.buffers is buffers
     assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], weights.cpu())
+    io.teardown()
+
+
+def checkpoint(step: int, weights: torch.Tensor, moment: torch.Tensor, rng: torch.Tensor) -> dict:
+    """What Lightning hands a checkpoint writer, in small: the epoch and step, the model's and the optimiser's
+    tensors (the same objects at every save), a tensor made anew at each save (a random generator's state)."""
+    return {"epoch": step // 10, "global_step": step, "state_dict": {"w": weights, "w_view": weights[1:]},
+            "optimizer_states": [{"state": {0: {"exp_avg": moment}}}], "callbacks": {"R": {"rng": rng}}}
+
+
+def shared_copy_writes(tmp_path, device: str):
+    """Saves of one step with a write held back: best, then last (one tensor updated in place before it); then a
+    save of the next step. Returns the writer, what each file must hold and the tensors of each save."""
+    torch.manual_seed(0)
+    weights, moment = torch.randn(4, 3, device=device), torch.randn(4, 3, device=device)
+    release = threading.Event()
+    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10))
+    expected = {}
+    io.save_checkpoint(checkpoint(20, weights, moment, torch.randn(5)), tmp_path / "best.ckpt")
+    expected["best.ckpt"] = (weights.clone(), moment.clone())
+    moment.add_(1.0)  # changed in place between two saves of one step (its version counter moves): copied again
+    io.save_checkpoint(checkpoint(20, weights, moment, torch.randn(5)), tmp_path / "last.ckpt")
+    expected["last.ckpt"] = (weights.clone(), moment.clone())
+    assert io.copies == 4 + 2  # w, w_view, exp_avg, rng; then exp_avg and the new rng only
+    weights.mul_(2.0)
+    io.save_checkpoint(checkpoint(30, weights, moment, torch.randn(5)), tmp_path / "next.ckpt")
+    expected["next.ckpt"] = (weights.clone(), moment.clone())
+    assert io.copies == 6 + 4  # another step: everything
+    release.set()
+    io.wait()
+    return io, expected
+
+
+def test_the_saves_of_one_step_share_the_copy_of_what_did_not_change(tmp_path):
+    """An epoch's best and last checkpoints are saved at the same epoch and step: the second copies only the tensors
+    that are new or were written since (a checkpoint of ViT-B holds about 1 GB of weights and optimiser state)."""
+    io, expected = shared_copy_writes(tmp_path, "cpu")
+    for name, (weights, moment) in expected.items():
+        ckpt = torch.load(tmp_path / name, weights_only=True)
+        assert torch.equal(ckpt["state_dict"]["w"], weights) and torch.equal(ckpt["state_dict"]["w_view"], weights[1:])
+        assert torch.equal(ckpt["optimizer_states"][0]["state"][0]["exp_avg"], moment), name
+        assert ckpt["epoch"] in (2, 3) and ckpt["callbacks"]["R"]["rng"].shape == (5,)
+    # every copy is released by the writes that used it, except the latest save's (a save of its step may follow)
+    assert io._latest.users == 1 and io._latest.borrowed == []
+    io.teardown()
+    assert io._latest is None
+
+
+def test_a_chain_of_saves_of_one_step_holds_every_copy_it_shares(tmp_path):
+    """A third save of a step shares copies made by the first: they stay held until a save of another step."""
+    weights, rng = torch.randn(3), torch.randn(2)
+    io = BackgroundCheckpointIO()
+    for name in ("a", "b", "c"):
+        io.save_checkpoint(checkpoint(5, weights, weights, torch.randn(2)), tmp_path / f"{name}.ckpt")
+    io.wait()
+    first = io._latest.borrowed[-1]
+    # w, w_view (exp_avg: w again, copied once), rng; then the new rng only, twice
+    assert [c.users for c in (io._latest, *io._latest.borrowed)] == [1, 1, 1] and io.copies == 3 + 1 + 1
+    io.save_checkpoint(checkpoint(6, weights, weights, rng), tmp_path / "d.ckpt")
+    io.wait()
+    assert first.users == 0 and io._latest.users == 1 and io.copies == 5 + 3
+    for name in "abcd":
+        assert torch.equal(torch.load(tmp_path / f"{name}.ckpt", weights_only=True)["state_dict"]["w"], weights)
+    io.teardown()
+
+
+def test_the_saves_of_one_step_share_pinned_buffers_held_until_written(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("pinned host buffers are for GPU tensors")
+    io, expected = shared_copy_writes(tmp_path, "cuda")
+    for name, (weights, moment) in expected.items():
+        ckpt = torch.load(tmp_path / name, weights_only=True)
+        assert torch.equal(ckpt["state_dict"]["w"], weights.cpu()) and torch.equal(ckpt["state_dict"]["w_view"], weights[1:].cpu())
+        assert torch.equal(ckpt["optimizer_states"][0]["state"][0]["exp_avg"], moment.cpu()), name
     io.teardown()
 
 

@@ -15,7 +15,8 @@ thread, which
 3. writes the file as Lightning's own writer does (atomically),
 
 and removes checkpoints in the same order, after the writes queued before (a ``ModelCheckpoint`` that replaces
-its best never leaves a moment with neither). At most ``max_pending`` writes wait: a disk slower than the epochs
+its best never leaves a moment with neither). Checkpoints saved at the same epoch and step (an epoch's best and
+last) share one host copy of the tensors they have in common: the second copies only what changed. At most ``max_pending`` writes wait: a disk slower than the epochs
 makes training wait, not memory grow. Errors of a write are raised in the training thread at the next call.
 """
 
@@ -54,19 +55,22 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         self._pending: deque[Future] = deque()
         self._error: BaseException | None = None
         self._free: dict[tuple, list[list[torch.Tensor]]] = {}  # pinned buffer sets by layout, ready for reuse
+        self._latest: _HostCopy | None = None  # the last save's copy (held: the next save of the same step shares it)
         self._lock = threading.Lock()
         self.writes = 0
+        self.copies = 0  # tensors copied from the checkpoints handed in (a tensor shared with the save before is not)
 
     # -------------------------------------------------------------------------------------------------- saving
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         self._raise_error()
         self._wait_pending(self.max_pending - 1)
-        host, buffers, layout, event = self._host_copy(checkpoint)
+        host, copies = self._host_copy(checkpoint)
 
         def write() -> None:
             try:
-                if event is not None:
-                    event.synchronize()
+                for copy in copies:
+                    if copy.event is not None:
+                        copy.event.synchronize()
                 if self.settle is not None:
                     self.settle(host)
                 self._write(host, path, storage_options)
@@ -74,9 +78,8 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
             except BaseException as exc:  # noqa: BLE001  (raised in the training thread at its next call)
                 self._error = self._error or exc
             finally:
-                if buffers:
-                    with self._lock:
-                        self._free.setdefault(layout, []).append(buffers)
+                for copy in copies:
+                    self._release(copy)
 
         self._submit(write)
 
@@ -100,6 +103,9 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._latest is not None:
+                self._release_latest(self._latest)
+                self._latest = None
             self._free.clear()
             super().teardown()
 
@@ -135,13 +141,34 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         if error is not None:
             raise error
 
-    def _host_copy(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor], tuple, Any]:
-        """A copy of ``checkpoint`` whose tensors live in host memory: GPU tensors copied (queued, non-blocking) to
-        pinned buffers reused across checkpoints of the same layout, host tensors cloned (the optimiser updates
-        some in place, e.g. its step counts), other values copied as they are."""
+    def _host_copy(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[_HostCopy]]:
+        """A copy of ``checkpoint`` whose tensors live in host memory, and the host copies its write holds.
+
+        GPU tensors are copied (queued, non-blocking) to pinned buffers reused across checkpoints of the same layout,
+        host tensors cloned (the optimiser updates some in place, e.g. its step counts), other values kept as they
+        are. A tensor of the previous save, unchanged (the same memory, the same version, nothing written to it
+        since) and saved at the same epoch and step, is not copied again: the epoch's best and last checkpoints
+        share one copy of the weights and the optimiser's state (on a GPU, a second copy of about 1 GB for ViT-B
+        would hold up the training stream and take as much pinned memory again)."""
         tensors: list[torch.Tensor] = []
         apply_to_collection(checkpoint, torch.Tensor, tensors.append)
-        on_gpu = [t for t in tensors if t.is_cuda]
+        keys = [_identity(t) for t in tensors]
+        step = (checkpoint.get("epoch"), checkpoint.get("global_step"))
+        latest, self._latest = self._latest, None
+        shared = latest if latest is not None and None not in step and latest.step == step else None
+        if latest is not None and shared is None:
+            self._release_latest(latest)  # (first: its buffers may be free for this copy)
+        index: dict[tuple, torch.Tensor] = {}  # identity -> host copy, of every tensor of this checkpoint
+        fresh: list[int] = []  # positions in ``tensors`` of the tensors to copy now
+        for i, key in enumerate(keys):
+            if key is None or key not in index:
+                if shared is not None and key is not None and key in shared.index:
+                    index[key] = shared.index[key]
+                else:
+                    fresh.append(i)
+                    if key is not None:
+                        index[key] = tensors[i]  # (its copy below)
+        on_gpu = [tensors[i] for i in fresh if tensors[i].is_cuda]
         layout = tuple((tuple(t.shape), t.dtype) for t in on_gpu)
         with self._lock:
             sets = self._free.get(layout)
@@ -149,20 +176,70 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_gpu]
         targets = iter(buffers)
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            if not t.is_cuda:
-                return t.detach().clone()
-            target = next(targets)
-            target.copy_(t.detach(), non_blocking=True)
-            return target
-
-        host = apply_to_collection(checkpoint, torch.Tensor, copy)
+        copies = list(tensors)  # the host tensor of each position
+        for i in fresh:
+            t = tensors[i].detach()
+            if t.is_cuda:
+                copies[i] = next(targets)
+                copies[i].copy_(t, non_blocking=True)
+            else:
+                copies[i] = t.clone()
+            if keys[i] is not None:
+                index[keys[i]] = copies[i]
+        for i, key in enumerate(keys):
+            if key is not None:
+                copies[i] = index[key]
+        self.copies += len(fresh)
         event = None
         if on_gpu:
             event = torch.cuda.Event()
             event.record()
-        return host, buffers, layout, event
+        own = _HostCopy(step, buffers, layout, event, index, originals=tensors)
+        own.borrowed = [] if shared is None else [shared, *shared.borrowed]
+        held = [own, *own.borrowed]
+        with self._lock:
+            for copy in held:
+                copy.users += 2  # this save's write, and the record of the latest save (a save of its step may follow)
+        self._latest = own
+        if shared is not None:
+            self._release_latest(shared)
+        positions = iter(copies)
+        return apply_to_collection(checkpoint, torch.Tensor, lambda t: next(positions)), held
+
+    def _release_latest(self, latest: _HostCopy) -> None:
+        for copy in (latest, *latest.borrowed):
+            self._release(copy)
+
+    def _release(self, copy: _HostCopy) -> None:
+        """One user less of ``copy``; when none is left its pinned buffers can be reused."""
+        with self._lock:
+            copy.users -= 1
+            if copy.users == 0 and copy.buffers:
+                self._free.setdefault(copy.layout, []).append(copy.buffers)
+
+
+class _HostCopy:
+    """The host copies one save made: pinned buffers (of its GPU tensors, ready after ``event``) and clones, by the
+    identity of the tensor each copies (``index``: also the tensors it shares with the saves it ``borrowed`` from);
+    ``users``: the writes that use it, and the writer's record of the latest save. ``originals`` keeps the tensors
+    copied alive, so that no other tensor takes their memory while their copies may be shared."""
+
+    def __init__(self, step: tuple, buffers: list[torch.Tensor], layout: tuple, event: Any, index: dict[tuple, torch.Tensor],
+                 originals: list[torch.Tensor]) -> None:
+        self.step, self.buffers, self.layout, self.event = step, buffers, layout, event
+        self.index, self.originals = index, originals
+        self.borrowed: list[_HostCopy] = []
+        self.users = 0
+
+
+def _identity(t: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same values while both are alive: the same memory, view and version counter
+    (every in-place operation bumps it); None for a tensor without a version counter (inference mode)."""
+    try:
+        version = t._version
+    except RuntimeError:
+        return None
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, version)
 
 
 def settles_checkpoints(checkpoint_io: Any) -> bool:

@@ -76,22 +76,35 @@ def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_
     from vitlab.callbacks import RuntimeCallback
     from vitlab.checkpoint_writer import BackgroundCheckpointIO
     from vitlab.cli import fit
+    from lightning_fabric.utilities.apply_func import apply_to_collection
 
     fit(tiny_args(tiny_dataset, tmp_path / "inline", epochs=2))
     original = QKVWorker.__init__
     monkeypatch.setattr(QKVWorker, "__init__", lambda self, background: original(self, True))
     monkeypatch.setattr(RuntimeCallback.__init__, "__defaults__", ("auto", 0, "background"))
+    handed = [0]  # tensors in the checkpoints handed to the writer
+    save = BackgroundCheckpointIO.save_checkpoint
+
+    def counted(self, checkpoint, *args, **kwargs):
+        apply_to_collection(checkpoint, torch.Tensor, lambda t: handed.__setitem__(0, handed[0] + 1))
+        return save(self, checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(BackgroundCheckpointIO, "save_checkpoint", counted)
     cli = fit(tiny_args(tiny_dataset, tmp_path / "thread", epochs=2))
     assert getattr(cli.trainer, "_vitlab_qkv_worker", None) is None  # finished and closed at the end of the fit
     io = cli.trainer.strategy.checkpoint_io
-    assert isinstance(io, BackgroundCheckpointIO) and io.writes >= 2
-    ckpts = [torch.load(next((tmp_path / name).rglob("last.ckpt")), map_location="cpu", weights_only=False)
-             for name in ("inline", "thread")]
-    assert "_vitlab_settle" not in ckpts[1]
-    assert ckpts[0]["state_dict"].keys() == ckpts[1]["state_dict"].keys()
-    assert all(torch.equal(v, ckpts[1]["state_dict"][k]) for k, v in ckpts[0]["state_dict"].items())
-    for a, b in zip(ckpts[0]["optimizer_states"][0]["state"].values(), ckpts[1]["optimizer_states"][0]["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert isinstance(io, BackgroundCheckpointIO) and io.writes >= 3
+    # the first epoch's best and last checkpoints share one copy of the weights and the optimiser's state
+    assert io.copies < handed[0] - len(cli.model.state_dict())
+    names = [sorted(p.relative_to(tmp_path / name).parts[-1] for p in (tmp_path / name).rglob("*.ckpt")) for name in ("inline", "thread")]
+    assert names[0] == names[1] and "last.ckpt" in names[0] and len(names[0]) == 2
+    for file in names[0]:
+        ckpts = [torch.load(next((tmp_path / name).rglob(file)), map_location="cpu", weights_only=False) for name in ("inline", "thread")]
+        assert "_vitlab_settle" not in ckpts[1] and ckpts[0]["global_step"] == ckpts[1]["global_step"]
+        assert ckpts[0]["state_dict"].keys() == ckpts[1]["state_dict"].keys()
+        assert all(torch.equal(v, ckpts[1]["state_dict"][k]) for k, v in ckpts[0]["state_dict"].items()), file
+        for a, b in zip(ckpts[0]["optimizer_states"][0]["state"].values(), ckpts[1]["optimizer_states"][0]["state"].values()):
+            assert all(torch.equal(a[k], b[k]) for k in a), file
     runs = [tmp_path / name / "tiny" / "version_0" for name in ("inline", "thread")]
     files = [sorted(p.name for p in (run / "qkv").iterdir()) for run in runs]
     assert files[0] == files[1] and "drift_epoch_002.csv" in files[0] and "spectra_epoch_000.csv" in files[0]
