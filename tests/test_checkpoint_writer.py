@@ -172,6 +172,20 @@ def test_a_chain_of_saves_of_one_step_holds_every_copy_it_shares(tmp_path):
     io.teardown()
 
 
+def test_a_tensor_without_a_version_counter_is_copied_at_every_save(tmp_path):
+    with torch.inference_mode():
+        made = torch.arange(3.0)  # (an inference tensor: in-place writes to it are not counted)
+    io = BackgroundCheckpointIO()
+    io.save_checkpoint({"epoch": 0, "global_step": 1, "x": made}, tmp_path / "a.ckpt")
+    with torch.inference_mode():
+        made.add_(1.0)
+    io.save_checkpoint({"epoch": 0, "global_step": 1, "x": made}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert io.copies == 2
+    assert torch.load(tmp_path / "a.ckpt", weights_only=True)["x"].tolist() == [0.0, 1.0, 2.0]
+    assert torch.load(tmp_path / "b.ckpt", weights_only=True)["x"].tolist() == [1.0, 2.0, 3.0]
+
+
 def test_the_saves_of_one_step_share_pinned_buffers_held_until_written(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("pinned host buffers are for GPU tensors")

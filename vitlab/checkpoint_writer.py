@@ -16,8 +16,9 @@ thread, which
 
 and removes checkpoints in the same order, after the writes queued before (a ``ModelCheckpoint`` that replaces
 its best never leaves a moment with neither). Checkpoints saved at the same epoch and step (an epoch's best and
-last) share one host copy of the tensors they have in common: the second copies only what changed. At most ``max_pending`` writes wait: a disk slower than the epochs
-makes training wait, not memory grow. Errors of a write are raised in the training thread at the next call.
+last) share one host copy of the tensors they have in common: the second copies only what changed. At most
+``max_pending`` writes wait: a disk slower than the epochs makes training wait, not memory grow. Errors of a write
+are raised in the training thread at the next call.
 """
 
 from __future__ import annotations
@@ -234,12 +235,12 @@ class _HostCopy:
 
 def _identity(t: torch.Tensor) -> tuple | None:
     """What makes two tensors the same values while both are alive: the same memory, view and version counter
-    (every in-place operation bumps it); None for a tensor without a version counter (inference mode)."""
+    (every in-place operation bumps it); None for a tensor without a version counter (inference mode) or without
+    memory of its own to point at (a tensor subclass): such a tensor is always copied."""
     try:
-        version = t._version
-    except RuntimeError:
+        return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+    except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, version)
 
 
 def settles_checkpoints(checkpoint_io: Any) -> bool:
