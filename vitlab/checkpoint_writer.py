@@ -155,9 +155,10 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         apply_to_collection(checkpoint, torch.Tensor, tensors.append)
         keys = [_identity(t) for t in tensors]
         step = (checkpoint.get("epoch"), checkpoint.get("global_step"))
-        latest, self._latest = self._latest, None
+        latest = self._latest
         shared = latest if latest is not None and None not in step and latest.step == step else None
         if latest is not None and shared is None:
+            self._latest = None
             self._release_latest(latest)  # (first: its buffers may be free for this copy)
         index: dict[tuple, torch.Tensor] = {}  # identity -> host copy, of every tensor of this checkpoint
         fresh: list[int] = []  # positions in ``tensors`` of the tensors to copy now
@@ -177,19 +178,19 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_gpu]
         targets = iter(buffers)
-        copies = list(tensors)  # the host tensor of each position
+        host_tensors = list(tensors)  # the host tensor of each position
         for i in fresh:
             t = tensors[i].detach()
             if t.is_cuda:
-                copies[i] = next(targets)
-                copies[i].copy_(t, non_blocking=True)
+                host_tensors[i] = next(targets)
+                host_tensors[i].copy_(t, non_blocking=True)
             else:
-                copies[i] = t.clone()
+                host_tensors[i] = t.clone()
             if keys[i] is not None:
-                index[keys[i]] = copies[i]
+                index[keys[i]] = host_tensors[i]
         for i, key in enumerate(keys):
             if key is not None:
-                copies[i] = index[key]
+                host_tensors[i] = index[key]
         self.copies += len(fresh)
         event = None
         if on_gpu:
@@ -201,10 +202,10 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         with self._lock:
             for copy in held:
                 copy.users += 2  # this save's write, and the record of the latest save (a save of its step may follow)
-        self._latest = own
+        self._latest = own  # (a save that failed before here left the latest record as it was)
         if shared is not None:
             self._release_latest(shared)
-        positions = iter(copies)
+        positions = iter(host_tensors)
         return apply_to_collection(checkpoint, torch.Tensor, lambda t: next(positions)), held
 
     def _release_latest(self, latest: _HostCopy) -> None:
