@@ -1,7 +1,7 @@
 """vitlab on one GPU against a bare bf16 loop of the same model, side by side on the same machine.
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
-                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread]
+                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread loadernorm]
                                    [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
                                              # (the Q/K/V work and checkpoints on their threads, as beside a GPU)
@@ -34,7 +34,9 @@ What it runs (about 5 minutes on one H100 / H200):
    epoch time is their whole cost, the GPU's share included); ``gpuspectra`` with the QK spectra's eigenproblems
    solved on the GPU (``QKSpectra(device="weights")``) instead of the host's cores; ``compile`` with ``model.compile: true``;
    ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``; ``onethread`` the ViT run with
-   ``runtime.threads: 1`` (the Q/K/V spectra's host work on one core, leaving the others to the loader).
+   ``runtime.threads: 1`` (the Q/K/V spectra's host work on one core, leaving the others to the loader);
+   ``loadernorm`` the ViT run with its batches normalised by the loader workers, as before (beside a GPU they leave the
+   final Normalize to the device: a gray slice travels with one channel instead of three).
 
 It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
@@ -228,7 +230,11 @@ if os.environ.get("BENCH_BACKGROUND"):  # (--smoke on the CPU: the Q/K/V work an
     _init = QKVWorker.__init__
     QKVWorker.__init__ = lambda self, background: _init(self, True)
     _runtime_init = RuntimeCallback.__init__
-    RuntimeCallback.__init__ = lambda self, figures="auto", workers=0, checkpoints="auto": _runtime_init(self, figures, workers, "background")
+    RuntimeCallback.__init__ = lambda self, figures="auto", workers=0, checkpoints="auto", **kw: _runtime_init(
+        self, figures, workers, "background", **{"normalize": "device", **kw})  # (the batches normalised after the transfer too)
+if os.environ.get("BENCH_NORMALIZE"):  # (the loadernorm variant: where the batches are normalised)
+    _normalize_init = RuntimeCallback.__init__
+    RuntimeCallback.__init__ = lambda self, *a, **kw: _normalize_init(self, *a, **{**kw, "normalize": os.environ["BENCH_NORMALIZE"]})
 timed(RuntimeCallback, "_settle", "settle", background)
 timed(BackgroundCheckpointIO, "_write", "write", background)
 
@@ -412,7 +418,8 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
     return args + ["--trainer.callbacks", json.dumps(callbacks)]
 
 
-def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False) -> dict | None:
+def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False,
+               normalize: str | None = None) -> dict | None:
     """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run.
     ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -423,6 +430,8 @@ def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = Fal
         env["BENCH_PROFILE"] = str(profile)
     if memdata:
         env["BENCH_MEMDATA"] = "1"
+    if normalize is not None:
+        env["BENCH_NORMALIZE"] = normalize
     proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -465,7 +474,7 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=5120, help="ViT training slices (a quarter more for validation)")
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
     parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
-                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread"],
+                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread", "loadernorm"],
                         help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
@@ -507,7 +516,7 @@ def main() -> None:
             print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
-                         memdata=variant == "memdata", background=args.smoke)
+                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None)
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)

@@ -261,6 +261,37 @@ def test_loader_workers_never_change_the_numbers(tiny_dataset, tmp_path, capfd, 
         assert _same_snapshots(other_snapshots, snapshots) and other_scalars == scalars
 
 
+@pytest.mark.slow
+def test_batches_normalised_on_the_device_never_change_the_numbers(tiny_dataset, tmp_path, monkeypatch):
+    """The tiny fit of a three-channel model on gray slices (``augment: default``) with its batches normalised by the
+    loaders and, as beside a GPU, after the transfer (one loader worker, so the one-channel batches cross processes):
+    bit-identical snapshots and metrics."""
+    from tests.helpers.runs import tiny_args
+
+    from vitlab.callbacks.runtime import RuntimeCallback
+    from vitlab.data import image_data
+
+    init, normalised = RuntimeCallback.__init__, []
+
+    def on_device(self, figures="auto", workers=0, checkpoints="auto", normalize="auto"):
+        init(self, figures, workers, checkpoints, "device")
+
+    def counted(self, batch):
+        out = normalize_batch(self, batch)
+        normalised.append((batch[0].shape[1], out[0].shape[1]))
+        return out
+
+    normalize_batch = image_data.ImageData.normalize_batch
+    extra = ["--data.in_chans", "3", "--data.augment", "default", "--trainer.max_epochs", "2"]
+    _, snapshots, scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "loader", extra=extra))
+    monkeypatch.setattr(RuntimeCallback, "__init__", on_device)
+    monkeypatch.setattr(image_data.ImageData, "normalize_batch", counted)
+    _, device_snapshots, device_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "device", extra=[*extra, "--runtime.workers", "1"]))
+    assert normalised and set(normalised) == {(1, 3)}  # every batch, training and validation, sent with one channel
+    assert len(snapshots) == 3 and len(scalars) > 10
+    assert _same_snapshots(device_snapshots, snapshots) and device_scalars == scalars
+
+
 def _printed_workers(args: list[str], capsys) -> int:
     """``runtime.workers`` of the config ``train.py ARGS --print_config`` prints."""
     from vitlab.cli import train_main

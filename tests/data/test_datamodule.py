@@ -336,7 +336,7 @@ def test_memory_cache_decodes_each_file_once_within_its_budget(tiny_dataset, mon
     ds = cached.dataset("train", augmented=True)
     ds.transform = scribble
     ds[0]
-    assert cached.memory.get((False, files[len(cached.samples("val"))]))[0].any()  # the kept image is intact
+    assert cached.memory.get((False, False, files[len(cached.samples("val"))]))[0].any()  # the kept image is intact
 
     small = MemoryCache(budget_bytes=3 * 32 * 32 * 4)  # three 32 x 32 float32 images
     ds = module(tiny_dataset).dataset("train", augmented=True)

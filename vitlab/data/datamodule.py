@@ -10,7 +10,15 @@ from vitlab.data.dense_data import DenseImageData
 from vitlab.data.image_data import ImageData
 
 
-class MedicalDataModule(ImageData, pl.LightningDataModule):
+class _NormalizeOnDevice:
+    """Lightning's hook after a batch reaches its device: images that the loaders left unnormalised
+    (:attr:`ImageData.normalize_on_device`) are normalised there."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        return self.normalize_batch(batch)
+
+
+class MedicalDataModule(_NormalizeOnDevice, ImageData, pl.LightningDataModule):
     """:class:`~vitlab.data.image_data.ImageData` as a LightningDataModule (classification, DINO)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -19,7 +27,7 @@ class MedicalDataModule(ImageData, pl.LightningDataModule):
         self.save_hyperparameters(self.arguments)
 
 
-class DenseDataModule(DenseImageData, pl.LightningDataModule):
+class DenseDataModule(_NormalizeOnDevice, DenseImageData, pl.LightningDataModule):
     """:class:`~vitlab.data.dense_data.DenseImageData` as a LightningDataModule (detection, segmentation)."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -25,7 +25,8 @@ from vitlab.data.readers.options import ReadOptions
 from vitlab.data.sampling import EpochLoader, EpochSampler, KeyedAugmentation
 from vitlab.data.synthetic import embedded as embedded_sets  # (looked up at call time: tests replace them)
 from vitlab.data.synthetic.embedded import EmbeddedOptions, embedded_options
-from vitlab.data.transforms import eval_transform, normalization_stats, seed_worker, single_opencv_thread, train_transform
+from vitlab.data.transforms import (deferred_normalize, eval_transform, normalization_stats, normalize_images, seed_worker,
+                                    single_opencv_thread, train_transform)
 from vitlab.data.volume_layouts import MASK_CLASSES, check_volumes, volume_layout
 from vitlab.data.volume_options import VolumeOptions
 
@@ -333,6 +334,27 @@ class ImageData:
 
     collate_fn = None  # (the dense data module's batches of targets)
 
+    # Where the loaders' batches are normalised: False, by the pipelines (in the loader workers); True, by
+    # :meth:`normalize_batch` where the batch is sent (``train.py`` beside a GPU: :class:`vitlab.callbacks.RuntimeCallback`
+    # sets it before the loaders are made; the same values, bit for bit). Never a hyperparameter: probes reading a run's
+    # data get normalised samples.
+    normalize_on_device = False
+    _device_normalization = None  # (means, reciprocal stds) as float32 arrays, once a loader leaves them to the batch
+    _normalization_on: dict = {}  # device -> the same as tensors there
+
+    def normalize_batch(self, batch):
+        """A batch of a loader whose pipeline left :class:`~vitlab.data.transforms.Normalize` to the batch
+        (:attr:`normalize_on_device`), normalised where it is (:func:`~vitlab.data.transforms.normalize_images`): its
+        images (the first item) (B, C, S, S). Any other batch is returned as it is."""
+        if self._device_normalization is None or not isinstance(batch, (tuple, list)) or not torch.is_tensor(batch[0]):
+            return batch
+        images = batch[0]
+        stats = self._normalization_on.get(images.device)
+        if stats is None:  # (moved once per device: a copy from pageable memory would wait for the device each batch)
+            stats = tuple(torch.from_numpy(a).to(images.device) for a in self._device_normalization)
+            self._normalization_on = {**self._normalization_on, images.device: stats}
+        return type(batch)([normalize_images(images, *stats), *batch[1:]])
+
     def volume_dataset(self, samples: list[Sample], augmented: bool, num_mask_classes: int | None = None) -> VolumeDataset:
         """Whole volumes of ``samples`` (``data.sample: volume``); ``augmented`` (training): random patches when
         ``data.patch_size`` is set, flips with ``data.volume_flip``, intensity jitter with ``data.volume_intensity``."""
@@ -343,6 +365,10 @@ class ImageData:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,
         whatever ``num_workers`` (see :mod:`vitlab.data.sampling`)."""
         dataset = self.dataset(split, augmented=train)
+        deferred = deferred_normalize(dataset.transform) if self.normalize_on_device and hasattr(dataset, "transform") else None
+        if deferred is not None:  # (volumes have no pipeline: normalised as they are read)
+            dataset.transform, *stats = deferred
+            self._device_normalization = tuple(stats)
         sampler = None
         if train:
             groups = None if self.volumes is None else [(s.path, s.series_uid) for s in dataset.samples]

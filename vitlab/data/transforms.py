@@ -11,10 +11,16 @@ repeat it themselves, after the transforms that act on each channel alike (:data
 just before the first that does not (``strong``'s GaussNoise, :class:`RepeatChannels`), and the datasets hand them
 the one-channel image: the same output, bit for bit (tested for every recipe), for a third of the warping and
 resizing.
+
+Beside a GPU the training run's loaders leave the final :class:`Normalize` to the device (:func:`deferred_normalize`,
+:func:`normalize_images`): the loader workers hand over the image before it (a gray image with one channel where the
+pipeline would repeat it), a third of the bytes to collate, pin and copy to the GPU for a gray image and a model of
+three channels, and the GPU computes the same float32 values.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Sequence
 
@@ -72,13 +78,20 @@ class Normalize(A.Normalize):
     from the gray one, as Normalize computes it from a repeated image. Pipelines put it last, after transforms that
     act on each channel alike (:func:`repeats_channels`), so that a grayscale image is augmented once instead of
     once per channel.
+
+    ``deferred``: the image is handed on as float32, unnormalised (a gray one not repeated); the batch is normalised
+    later by :func:`normalize_images` (see :func:`deferred_normalize`).
     """
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], repeat_gray: bool = False, p: float = 1.0) -> None:
+    def __init__(self, mean: Sequence[float], std: Sequence[float], repeat_gray: bool = False, p: float = 1.0,
+                 deferred: bool = False) -> None:
         super().__init__(mean=tuple(mean), std=tuple(std), max_pixel_value=1.0, p=p)
         self.repeat_gray = repeat_gray
+        self.deferred = deferred
 
     def apply(self, img: np.ndarray, **params) -> np.ndarray:
+        if self.deferred:
+            return img if img.dtype == np.float32 else img.astype(np.float32)
         channels = len(self.mean_np)
         src = img[:, :, None] if img.ndim == 2 else img
         gray_to_repeat = src.ndim == 3 and src.shape[2] == 1 and channels > 1
@@ -94,7 +107,7 @@ class Normalize(A.Normalize):
         return out
 
     def get_transform_init_args_names(self) -> tuple[str, ...]:
-        return ("mean", "std", "repeat_gray")
+        return ("mean", "std", "repeat_gray", "deferred")
 
 
 class RepeatChannels(A.ImageOnlyTransform):
@@ -128,6 +141,45 @@ def repeats_channels(transform: A.BasicTransform | A.BaseCompose) -> bool:
     """Whether ``transform`` repeats a one-channel image to its channels itself (:class:`RepeatChannels`, or
     :class:`Normalize` with ``repeat_gray``): a dataset then hands it grayscale images with one channel."""
     return any(isinstance(t, RepeatChannels) or (isinstance(t, Normalize) and t.repeat_gray) for t in _flatten(transform))
+
+
+def deferred_normalize(transform: A.BaseCompose) -> tuple[A.Compose, np.ndarray, np.ndarray] | None:
+    """A copy of ``transform`` whose final :class:`Normalize` hands the image on unnormalised (``deferred``), with
+    the float32 means and reciprocal stds that :func:`normalize_images` then applies to the batch; None when the
+    pipeline does not end with vitlab's :class:`Normalize` (it is left as it is).
+
+    The datasets treat the copy as they treat the pipeline: a gray image stays one channel where its Normalize would
+    repeat it (:func:`repeats_channels`), so a batch holds a third of the values for a model of three channels."""
+    last = (getattr(transform, "transforms", None) or [None])[-1]
+    if not isinstance(last, Normalize) or last.deferred or last.p != 1.0:  # (p < 1: not every image is normalised)
+        return None
+    copied = copy.deepcopy(transform)
+    copied.transforms[-1].deferred = True
+    return copied, last.mean_np.astype(np.float32), last.denominator.astype(np.float32)
+
+
+def defers_normalize(transform: A.BaseCompose) -> bool:
+    """Whether ``transform`` ends with a :class:`Normalize` left to :func:`normalize_images` (``deferred``)."""
+    last = (getattr(transform, "transforms", None) or [None])[-1]
+    return isinstance(last, Normalize) and last.deferred
+
+
+def normalize_images(images: torch.Tensor, mean: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """(B, 1 or C, H, W) images left unnormalised by a :func:`deferred_normalize` pipeline -> (B, C, H, W) normalised
+    where they are (the GPU included): (x - mean) * (1 / std) per channel, a one-channel batch broadcast to the C
+    channels, in float32: the values :class:`Normalize` computes on the host, bit for bit (two correctly rounded
+    operations per value, as its two OpenCV calls).
+
+    Args:
+        images: The batch, float32.
+        mean: (C,) float32 means, on the images' device (:func:`deferred_normalize`'s, moved there once).
+        denominator: (C,) float32 reciprocal stds, likewise.
+    """
+    channels = mean.shape[0]
+    if images.ndim != 4 or images.shape[1] not in (1, channels) or images.dtype != torch.float32:
+        raise ValueError(f"normalize_images: need float32 images (B, 1 or {channels}, H, W), got {images.dtype} "
+                         f"{tuple(images.shape)}")
+    return torch.sub(images, mean.view(1, channels, 1, 1)).mul_(denominator.view(1, channels, 1, 1))
 
 
 def _finish(steps: list[A.BasicTransform], mean: Sequence[float], std: Sequence[float], user: bool) -> list:

@@ -15,7 +15,7 @@ from vitlab.data.cache import ArrayCache, MemoryCache
 from vitlab.data.readers.errors import ImageReadError
 from vitlab.data.readers.image import ImageReader
 from vitlab.data.readers.options import ReadOptions
-from vitlab.data.transforms import repeats_channels
+from vitlab.data.transforms import defers_normalize, repeats_channels
 from vitlab.data.layouts import UNLABELLED, Sample, SkippedFileWarning
 
 T = TypeVar("T")
@@ -157,6 +157,7 @@ class MedicalImageDataset(Dataset):
         # only after the prescale: it leaves every image's shorter side under twice the pipeline's size, so no crop or
         # resize of the pipeline is OpenCV's 2 x 2 block average, whose rounding depends on the number of channels
         self.keep_gray = bool(self.prescale_to) and self.in_chans > 1 and repeats_channels(transform)
+        self.normalized_later = defers_normalize(transform)  # (its samples are unnormalised: a key of their own)
 
     @property
     def bad_paths(self) -> set[str]:
@@ -205,7 +206,7 @@ class MedicalImageDataset(Dataset):
             ImageReadError: The file cannot be read, or the finished tensor is not finite.
         """
         path = self.samples[index].path
-        key = (self.deterministic, self.samples[index].key)  # (one cache may serve several splits)
+        key = (self.deterministic, self.normalized_later, self.samples[index].key)  # (one cache may serve several splits)
         kept = self.memory.get(key) if self.memory is not None else None
         if kept is not None and self.deterministic:
             tensor, label = kept
@@ -219,7 +220,7 @@ class MedicalImageDataset(Dataset):
             if self.memory is not None and not self.deterministic:
                 self.memory.put(key, (image.copy(), index), image.nbytes)
         image = to_channels(image, self.in_chans, self.keep_gray)  # gray repeated here unless the pipeline repeats it
-        out = self.transform(image=image)["image"]  # (S, S, C) normalised
+        out = self.transform(image=image)["image"]  # (S, S, C) normalised (or not yet, and gray (S, S, 1): normalized_later)
         if out.ndim == 2:
             out = out[:, :, None]
         tensor = finite_tensor(path, torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32)))

@@ -1,0 +1,109 @@
+"""Batches normalised where they arrive (beside a GPU, by the data module's hook after the transfer) hold the values
+the loaders' own Normalize gives, bit for bit, for every recipe, one or three channels, classification and dense
+batches; a gray image for a model of three channels travels with one channel."""
+
+from __future__ import annotations
+
+import albumentations as A
+import numpy as np
+import pytest
+import torch
+
+from vitlab.data import DenseDataModule, MedicalDataModule
+from vitlab.data.transforms import (Normalize, deferred_normalize, defers_normalize, eval_transform, normalize_images,
+                                    train_transform)
+
+
+def _batches(dm, split: str, epoch: int = 0) -> list:
+    loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
+    if split == "train":
+        loader.sampler.set_epoch(epoch)
+    return list(loader)
+
+
+def _stats(rng: np.random.Generator, channels: int) -> tuple[list[float], list[float]]:
+    """Random per-channel means and stds (not ImageNet's: every channel its own)."""
+    return rng.uniform(0.2, 0.7, channels).tolist(), rng.uniform(0.1, 0.4, channels).tolist()
+
+
+@pytest.mark.parametrize("augment", ["none", "light", "default", "strong"])
+@pytest.mark.parametrize("in_chans", [1, 3])
+def test_classification_batches_normalised_on_the_device_equal_the_loaders(tiny_dataset, augment, in_chans):
+    rng = np.random.default_rng(hash((augment, in_chans)) % 2**32)
+    mean, std = _stats(rng, in_chans)
+    kwargs = dict(root=str(tiny_dataset), image_size=32, batch_size=5, num_workers=0, augment=augment, val_fraction=0.25,
+                  in_chans=in_chans, mean=mean, std=std, seed=int(rng.integers(1000)))
+    here, there = MedicalDataModule(**kwargs), MedicalDataModule(**kwargs)
+    there.normalize_on_device = True
+    for split in ("train", "val"):
+        for epoch in (0, 1):
+            expected, raw = _batches(here, split, epoch), _batches(there, split, epoch)
+            assert len(expected) == len(raw) > 0
+            for (x, y), batch in zip(expected, raw):
+                # the gray slices travel with one channel unless a transform draws per channel before Normalize
+                travels = 3 if in_chans == 3 and augment == "strong" and split == "train" else 1
+                assert batch[0].shape[1] == travels and batch[0].min() >= 0 and batch[0].max() <= 1
+                images, labels = there.on_after_batch_transfer(batch, 0)
+                assert images.shape == x.shape and torch.equal(images, x) and torch.equal(labels, y)
+    assert here.on_after_batch_transfer(expected[0], 0) is expected[0]  # normalised by the loaders: left as it is
+
+
+@pytest.mark.parametrize("in_chans", [1, 3])
+def test_dense_batches_normalised_on_the_device_equal_the_loaders(in_chans):
+    rng = np.random.default_rng(in_chans)
+    mean, std = _stats(rng, in_chans)
+    kwargs = dict(root=None, embedded_kwargs={"patients": 4, "slices": 2, "size": 32, "difficulty": 0.0}, image_size=32,
+                  batch_size=3, augment="default", val_fraction=0.34, in_chans=in_chans, mean=mean, std=std)
+    here, there = DenseDataModule(**kwargs), DenseDataModule(**kwargs)
+    there.normalize_on_device = True
+    for split in ("train", "val"):
+        for (x, targets), batch in zip(_batches(here, split), _batches(there, split), strict=True):
+            assert batch[0].shape[1] == 1
+            images, moved = there.on_after_batch_transfer(batch, 0)
+            assert torch.equal(images, x)
+            assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(targets, moved))
+
+
+def test_a_colour_image_is_normalised_per_channel_as_on_the_host():
+    """An RGB image (no repetition) through the default recipe: the same values, channel by channel."""
+    rng = np.random.default_rng(7)
+    mean, std = _stats(rng, 3)
+    pipeline = train_transform(24, mean, std, augment="default", seed=3)
+    deferred, mean_np, denominator = deferred_normalize(pipeline)
+    image = rng.random((40, 36, 3), dtype=np.float32)
+    pipeline.set_random_seed(11)
+    deferred.set_random_seed(11)
+    expected = torch.from_numpy(pipeline(image=image)["image"].transpose(2, 0, 1).copy())[None]
+    raw = torch.from_numpy(deferred(image=image)["image"].transpose(2, 0, 1).copy())[None]
+    out = normalize_images(raw, torch.from_numpy(mean_np), torch.from_numpy(denominator))
+    assert torch.equal(out, expected)
+
+
+def test_deferred_normalize_copies_the_pipeline_and_leaves_others_alone():
+    pipeline = eval_transform(16, [0.5, 0.4, 0.3], [0.2, 0.25, 0.3])
+    deferred, mean, denominator = deferred_normalize(pipeline)
+    assert defers_normalize(deferred) and not defers_normalize(pipeline)  # the original is unchanged
+    assert mean.dtype == denominator.dtype == np.float32 and np.array_equal(denominator, np.reciprocal(np.float32([0.2, 0.25, 0.3])))
+    assert deferred_normalize(deferred) is None  # (already deferred)
+    assert deferred_normalize(A.Compose([A.HorizontalFlip(p=0.5)])) is None  # no vitlab Normalize last
+    assert deferred_normalize(A.Compose([Normalize([0.5], [0.2], p=0.5)])) is None  # not every image normalised
+    gray = np.random.default_rng(0).random((16, 16, 1), dtype=np.float32)
+    assert np.array_equal(deferred(image=gray)["image"], gray)  # handed on as it is: one channel, float32
+
+
+def test_normalize_images_rejects_a_batch_it_cannot_normalise():
+    mean, denominator = torch.zeros(3), torch.ones(3)
+    for bad in (torch.zeros(2, 2, 4, 4), torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, 4, dtype=torch.float16)):
+        with pytest.raises(ValueError, match=r"normalize_images: need float32 images \(B, 1 or 3, H, W\), got"):
+            normalize_images(bad, mean, denominator)
+
+
+def test_a_validation_tensor_kept_in_memory_is_kept_apart_from_the_normalised_one(tiny_dataset):
+    """One memory cache, the finished validation tensors of both kinds: each dataset gets its own back."""
+    dm = MedicalDataModule(root=str(tiny_dataset), image_size=32, batch_size=4, augment="none", val_fraction=0.25, in_chans=3)
+    normalised = dm.dataset("val")
+    raw = dm.dataset("val")
+    raw.transform = deferred_normalize(raw.transform)[0]
+    for _ in range(2):  # the second pass from the memory cache
+        assert normalised[0][0].shape[0] == 3 and raw[0][0].shape[0] == 1
+        assert raw[0][0].min() >= 0 and normalised[0][0].min() < 0
