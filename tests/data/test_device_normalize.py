@@ -107,3 +107,15 @@ def test_a_validation_tensor_kept_in_memory_is_kept_apart_from_the_normalised_on
     for _ in range(2):  # the second pass from the memory cache
         assert normalised[0][0].shape[0] == 3 and raw[0][0].shape[0] == 1
         assert raw[0][0].min() >= 0 and normalised[0][0].min() < 0
+
+
+@pytest.mark.parametrize("mean, std, message", [
+    ([0.5], [0.0], r"std must be positive and at least 1e-37 \(its float32 reciprocal finite\), got \[0.0\]"),
+    ([0.5], [-0.2], r"std must be positive and at least 1e-37 \(its float32 reciprocal finite\), got \[-0.2\]"),
+    ([0.5], [1e-45], r"std must be positive and at least 1e-37 \(its float32 reciprocal finite\), got \[1e-45\]"),
+    ([float("nan")], [0.2], r"mean must be finite, got \[nan\]"),
+])
+def test_means_and_stds_that_cannot_normalise_are_refused_in_one_line(tiny_dataset, mean, std, message):
+    """Normalising on the device checks no sample after it: a std whose reciprocal overflows is refused up front."""
+    with pytest.raises(ValueError, match=message):
+        MedicalDataModule(root=str(tiny_dataset), image_size=32, mean=mean, std=std)

@@ -217,8 +217,11 @@ def normalization_stats(
         else:
             raise ValueError(f"{name} has {len(given)} values; give 1 or in_chans={in_chans}")
         stats.append(values)
-    if min(stats[1]) <= 0:
-        raise ValueError(f"std must be positive, got {list(stats[1])}")
+    if not np.isfinite(stats[0]).all():
+        raise ValueError(f"mean must be finite, got {list(stats[0])}")
+    # (a std whose float32 reciprocal overflows would make every normalised value infinite)
+    if min(stats[1]) <= 0 or not np.isfinite(np.reciprocal(np.float32(stats[1]))).all():
+        raise ValueError(f"std must be positive and at least 1e-37 (its float32 reciprocal finite), got {list(stats[1])}")
     return stats[0], stats[1]
 
 
