@@ -119,3 +119,15 @@ def test_means_and_stds_that_cannot_normalise_are_refused_in_one_line(tiny_datas
     """Normalising on the device checks no sample after it: a std whose reciprocal overflows is refused up front."""
     with pytest.raises(ValueError, match=message):
         MedicalDataModule(root=str(tiny_dataset), image_size=32, mean=mean, std=std)
+
+
+def test_loaders_made_to_normalise_their_own_batches_are_not_normalised_again(tiny_dataset):
+    """A data module used on the GPU and then, in the same process, on the CPU (its flag set back): the later loaders'
+    batches come normalised, and the hook leaves them as they are."""
+    dm = MedicalDataModule(root=str(tiny_dataset), image_size=32, batch_size=4, augment="none", val_fraction=0.25, in_chans=3)
+    dm.normalize_on_device = True
+    raw = next(iter(dm.val_dataloader()))
+    normalised = dm.on_after_batch_transfer(raw, 0)
+    dm.normalize_on_device = False
+    batch = next(iter(dm.val_dataloader()))
+    assert dm.on_after_batch_transfer(batch, 0) is batch and torch.equal(batch[0], normalised[0])

@@ -334,13 +334,24 @@ class ImageData:
 
     collate_fn = None  # (the dense data module's batches of targets)
 
-    # Where the loaders' batches are normalised: False, by the pipelines (in the loader workers); True, by
-    # :meth:`normalize_batch` where the batch is sent (``train.py`` beside a GPU: :class:`vitlab.callbacks.RuntimeCallback`
-    # sets it before the loaders are made; the same values, bit for bit). Never a hyperparameter: probes reading a run's
-    # data get normalised samples.
-    normalize_on_device = False
+    _normalize_on_device = False
     _device_normalization = None  # (means, reciprocal stds) as float32 arrays, once a loader leaves them to the batch
     _normalization_on: dict = {}  # device -> the same as tensors there
+
+    @property
+    def normalize_on_device(self) -> bool:
+        """Where the loaders made from now on normalise their batches: False, in their pipelines (in the loader
+        workers); True, in :meth:`normalize_batch` where each batch is sent (``train.py`` beside a GPU:
+        :class:`vitlab.callbacks.RuntimeCallback` sets it before the loaders are made; the same values, bit for bit).
+        Never a hyperparameter: probes reading a run's data get normalised samples. Set False, no batch is
+        normalised by :meth:`normalize_batch` any more (the loaders made then normalise their own)."""
+        return self._normalize_on_device
+
+    @normalize_on_device.setter
+    def normalize_on_device(self, value: bool) -> None:
+        self._normalize_on_device = bool(value)
+        if not value:
+            self._device_normalization = None
 
     def normalize_batch(self, batch):
         """A batch of a loader whose pipeline left :class:`~vitlab.data.transforms.Normalize` to the batch
