@@ -70,8 +70,9 @@ def test_capture_copies_the_weights_once_and_its_host_copy_equals_qkv_state():
 @pytest.mark.slow
 def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_dataset, tmp_path, monkeypatch):
     """Two CPU runs of one config: one with the Q/K/V work and the checkpoints written inline, one as on a GPU: the
-    Q/K/V work on its background thread, checkpoints copied and written by the background checkpoint writer.
-    Snapshots, drift and spectra tables, every TensorBoard scalar and the checkpoints' tensors are the same."""
+    Q/K/V work on its background thread, checkpoints copied and written by the background checkpoint writer, the
+    batches normalised after the transfer. Snapshots, drift and spectra tables, every TensorBoard scalar and the
+    checkpoints' tensors are the same."""
     from tests.helpers.runs import events, tiny_args
     from vitlab.callbacks import RuntimeCallback
     from vitlab.checkpoint_writer import BackgroundCheckpointIO
@@ -81,7 +82,7 @@ def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_
     fit(tiny_args(tiny_dataset, tmp_path / "inline", epochs=2))
     original = QKVWorker.__init__
     monkeypatch.setattr(QKVWorker, "__init__", lambda self, background: original(self, True))
-    monkeypatch.setattr(RuntimeCallback.__init__, "__defaults__", ("auto", 0, "background"))
+    monkeypatch.setattr(RuntimeCallback.__init__, "__defaults__", ("auto", 0, "background", "device"))  # (as beside a GPU)
     handed = [0]  # tensors in the checkpoints handed to the writer
     save = BackgroundCheckpointIO.save_checkpoint
 
