@@ -1,7 +1,7 @@
 """What a training batch of gray images costs on its way to the GPU, normalised by the loader workers or after the
 transfer, for a model of three input channels.
 
-    python benchmarks/bench_loader_batches.py [--images 512] [--workers 1] [--rounds 2] [--augment default]
+    python benchmarks/bench_loader_batches.py [--images 512] [--workers 1] [--rounds 2] [--augment default] [--task dense]
 
 Beside a GPU the loaders of ``train.py`` leave the pipelines' final Normalize to the device
 (:attr:`vitlab.data.image_data.ImageData.normalize_on_device`): a gray CT slice for a model of three channels
@@ -21,6 +21,11 @@ workers' memory caches (a first pass fills them), and measures per batch:
 
 and checks that both ways give the same normalised batches, bit for bit. On a GPU ``bench_gpu.py`` measures the
 training run itself (its ``loadernorm`` variant: the batches normalised by the workers, as before).
+
+``--task dense``: a detection / segmentation batch (the embedded synthetic set at 128 px, batch 16, a label map,
+boxes, labels and instance masks per image) whose target dicts cross from the worker to the training process as
+they are (a tensor each: four an image, before) or packed into a flat tensor per key
+(:class:`vitlab.data.datasets.targets.PackedTargets`, now): the same measures, and the same batches both ways.
 """
 
 from __future__ import annotations
@@ -72,23 +77,36 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="loader worker processes")
     parser.add_argument("--rounds", type=int, default=2, help="alternating epochs of each way (the median is shown)")
     parser.add_argument("--augment", default="default", help="the training recipe")
+    parser.add_argument("--task", choices=["classification", "dense"], default="classification",
+                        help="dense: target dicts sent as they are or packed (see above)")
     args = parser.parse_args()
 
     import torch
 
-    from vitlab.data import MedicalDataModule
+    from vitlab.data import DenseDataModule, MedicalDataModule
     from vitlab.data.synthetic import generate
 
     torch.set_num_threads(1)
-    root = generate(Path(tempfile.mkdtemp(prefix="bench-batches-")) / "data", seed=0, patients=max(2, args.images // 16),
-                    slices=16, size=224)
     modules = {}
-    for way in ("workers", "device"):
-        dm = MedicalDataModule(root=str(root), image_size=224, in_chans=3, batch_size=64, num_workers=args.workers,
-                               augment=args.augment, val_fraction=0.0)
-        dm.normalize_on_device = way == "device"
-        dm.setup("fit")
-        modules[way] = (dm, dm.train_dataloader())
+    if args.task == "dense":
+        ways = ("list", "packed")
+        for way in ways:
+            dm = DenseDataModule(root=None, embedded_kwargs={"patients": max(2, args.images // 8), "slices": 8, "size": 128},
+                                 image_size=128, batch_size=16, num_workers=args.workers, augment=args.augment, val_fraction=0.0)
+            if way == "list":  # (before: the targets as they are)
+                dm.collate_fn = lambda batch: (torch.stack([x for x, _ in batch]), [t for _, t in batch])
+            dm.setup("fit")
+            modules[way] = (dm, dm.train_dataloader())
+    else:
+        ways = ("workers", "device")
+        root = generate(Path(tempfile.mkdtemp(prefix="bench-batches-")) / "data", seed=0, patients=max(2, args.images // 16),
+                        slices=16, size=224)
+        for way in ways:
+            dm = MedicalDataModule(root=str(root), image_size=224, in_chans=3, batch_size=64, num_workers=args.workers,
+                                   augment=args.augment, val_fraction=0.0)
+            dm.normalize_on_device = way == "device"
+            dm.setup("fit")
+            modules[way] = (dm, dm.train_dataloader())
     buffers: dict[tuple, torch.Tensor] = {}
 
     def copy(batch) -> float:  # the pin-memory thread's copy, into memory allocated once
@@ -111,25 +129,38 @@ def main() -> None:
             out = one_epoch(loader, epoch, {"copy": copy, "normalise": normaliser(dm)})
             if epoch:
                 results[way].append(out)
-    for epoch_results in zip(results["workers"], results["device"]):
-        dm = modules["device"][0]
+    before, after = ways
+    for epoch_results in zip(results[before], results[after]):
+        dm = modules[after][0]
         for a, b in zip(epoch_results[0]["batches"], epoch_results[1]["batches"]):
-            assert torch.equal(a[0], dm.normalize_batch(b)[0]) and torch.equal(a[1], b[1]), "the two ways differ"
-    print(f"bench_loader_batches: {args.images} gray 224 px CT slices, model of 3 channels, batch 64, augment "
-          f"{args.augment}, {args.workers} loader worker(s), one torch thread; median of {args.rounds} epochs each; "
-          "the same normalised batches both ways")
+            b = dm.normalize_batch(b)
+            same = torch.equal(a[0], b[0]) and len(a[1]) == len(b[1])
+            if args.task == "dense":
+                same = same and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a[1], b[1]))
+            else:
+                same = same and torch.equal(a[1], b[1])
+            assert same, "the two ways differ"
+    if args.task == "dense":
+        print(f"bench_loader_batches --task dense: the embedded synthetic set at 128 px, batch 16, augment {args.augment}, "
+              f"{args.workers} loader worker(s), one torch thread; median of {args.rounds} epochs each; the same batches both ways")
+    else:
+        print(f"bench_loader_batches: {args.images} gray 224 px CT slices, model of 3 channels, batch 64, augment "
+              f"{args.augment}, {args.workers} loader worker(s), one torch thread; median of {args.rounds} epochs each; "
+              "the same normalised batches both ways")
+    names = {"workers": "normalised by the loader workers", "device": "normalised by the device (after the transfer)",
+             "list": "targets sent as they are (a tensor each)", "packed": "targets packed (a flat tensor per key)"}
     rows = {}
     for way, runs in results.items():
         med = {key: statistics.median(r[key] for r in runs) for key in ("wall", "cpu", "workers", "copy", "normalise", "bytes")}
         rows[way] = med
-        print(f"  normalised by the {'loader workers' if way == 'workers' else 'device (after the transfer)'}:")
+        print(f"  {names[way]}:")
         print(f"    {med['bytes'] / 2**20:6.1f} MiB of images a batch; workers' CPU {1e3 * med['workers']:7.1f} ms a batch; "
               f"training process {1e3 * med['cpu']:6.1f} ms of CPU ({1e3 * med['wall']:6.1f} ms of wall) a batch taking it; "
-              f"the pin-memory copy {1e3 * med['copy']:5.1f} ms" +
+              f"the pin-memory copy of the images {1e3 * med['copy']:5.1f} ms" +
               (f"; the normalisation here {1e3 * med['normalise']:5.1f} ms" if way == "device" else ""))
-    w, d = rows["workers"], rows["device"]
-    print(f"  device / workers: bytes {d['bytes'] / w['bytes']:.2f}x, workers' CPU {d['workers'] / w['workers']:.2f}x, "
-          f"training process's CPU {d['cpu'] / w['cpu']:.2f}x, pin-memory copy {d['copy'] / w['copy']:.2f}x")
+    w, d = rows[before], rows[after]
+    print(f"  {after} / {before}: bytes {d['bytes'] / w['bytes']:.2f}x, workers' CPU {d['workers'] / w['workers']:.2f}x, "
+          f"training process's CPU {d['cpu'] / w['cpu']:.2f}x, wall {d['wall'] / w['wall']:.2f}x, pin-memory copy {d['copy'] / w['copy']:.2f}x")
 
 
 if __name__ == "__main__":
