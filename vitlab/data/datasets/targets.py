@@ -157,11 +157,11 @@ class PackedTargets(list):
     (and dtype), unpickled there as a plain list of the same dicts, their tensors views into those.
 
     A worker sends each tensor of a batch through its own shared-memory segment, whose file descriptor the training
-    process then fetches over a socket (torch's default sharing strategy): four targets an image made receiving a
-    dense batch of 16 images cost the training process 14 ms of CPU, mostly Python holding the interpreter's lock
-    (in the pin-memory thread beside a GPU, where the training thread needs the lock at every launch), against 1.2 ms
-    packed (``benchmarks/bench_loader_batches.py --task dense``). The values are the same, bit for bit; a value that
-    is not a tensor, or a key whose tensors differ in dtype, is sent as it is."""
+    process then fetches over a socket (torch's default sharing strategy), in Python that mostly holds the
+    interpreter's lock (in the pin-memory thread beside a GPU, where the training thread needs the lock at every
+    launch). With four target tensors an image, taking a batch of 16 cost the training process 5.5-7.4 ms of CPU,
+    against 1.7-2.1 ms packed (``benchmarks/bench_loader_batches.py --task dense``). The values are the same, bit for
+    bit; a value that is not a tensor, or a key whose tensors differ in dtype, is sent as it is."""
 
     def __reduce__(self):
         keys = list(dict.fromkeys(k for target in self for k in target))
