@@ -274,7 +274,8 @@ def fit(size: dict, device: str, steps: int, extra: list[str], qkv: bool = False
     logger and bar) on the rung's batches in pinned memory instead of its loader's (validation: two batches of the
     embedded data). The last epoch's steps are timed, up to its last batch (its validation runs after that): with
     ``epochs=2`` the work the first epoch's end leaves to background threads (Q/K/V spectra, the checkpoint
-    writer) runs beside them."""
+    writer) runs beside them. On a GPU the data module normalises every batch after its transfer, as in ``train.py``'s
+    runs there (the rung's random batches of three channels, where a run's gray slices travel with one)."""
     import json
     import tempfile
 
