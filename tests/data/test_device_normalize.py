@@ -131,3 +131,14 @@ def test_loaders_made_to_normalise_their_own_batches_are_not_normalised_again(ti
     dm.normalize_on_device = False
     batch = next(iter(dm.val_dataloader()))
     assert dm.on_after_batch_transfer(batch, 0) is batch and torch.equal(batch[0], normalised[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_normalised_on_cuda_equal_the_loaders(tiny_dataset):
+    """On the GPU itself (Lightning's hook after the transfer): the values the loaders compute on the host."""
+    kwargs = dict(root=str(tiny_dataset), image_size=32, batch_size=5, augment="default", val_fraction=0.25, in_chans=3)
+    here, there = MedicalDataModule(**kwargs), MedicalDataModule(**kwargs)
+    there.normalize_on_device = True
+    for (x, y), (raw, labels) in zip(_batches(here, "train"), _batches(there, "train"), strict=True):
+        images, _ = there.on_after_batch_transfer([raw.cuda(), labels.cuda()], 0)
+        assert images.is_cuda and torch.equal(images.cpu(), x)
