@@ -521,6 +521,8 @@ def main() -> None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)
         print(run_line(f"{kind}/{variant}", summary, results[f"{kind}/bare"]), flush=True)
+        # (after every run: a time limit that stops the script later still leaves the runs done so far)
+        (root / "bench_gpu.json").write_text(json.dumps(results, indent=1))
         if profile is not None and profile.exists():
             print(f"  {kind}: torch.profiler tables in {profile}", flush=True)
     report(results, args)
