@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def worker_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    """CPU seconds (user + system) the processes ``pids`` have used so far (Linux's ``/proc``)."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
@@ -159,8 +159,9 @@ def main() -> None:
               f"the pin-memory copy of the images {1e3 * med['copy']:5.1f} ms" +
               (f"; the normalisation here {1e3 * med['normalise']:5.1f} ms" if way == "device" else ""))
     w, d = rows[before], rows[after]
-    print(f"  {after} / {before}: bytes {d['bytes'] / w['bytes']:.2f}x, workers' CPU {d['workers'] / w['workers']:.2f}x, "
-          f"training process's CPU {d['cpu'] / w['cpu']:.2f}x, wall {d['wall'] / w['wall']:.2f}x, pin-memory copy {d['copy'] / w['copy']:.2f}x")
+    ratio = {key: f"{d[key] / w[key]:.2f}x" if w[key] > 0 else "n/a" for key in w}  # (no workers: no workers' CPU)
+    print(f"  {after} / {before}: bytes {ratio['bytes']}, workers' CPU {ratio['workers']}, training process's CPU "
+          f"{ratio['cpu']}, wall {ratio['wall']}, pin-memory copy {ratio['copy']}")
 
 
 if __name__ == "__main__":

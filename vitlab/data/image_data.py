@@ -376,7 +376,7 @@ class ImageData:
         """Batches of one split; training batches in the order and with the augmentations (seed, epoch, index) give,
         whatever ``num_workers`` (see :mod:`vitlab.data.sampling`)."""
         dataset = self.dataset(split, augmented=train)
-        deferred = deferred_normalize(dataset.transform) if self.normalize_on_device and hasattr(dataset, "transform") else None
+        deferred = deferred_normalize(getattr(dataset, "transform", None)) if self.normalize_on_device else None
         if deferred is not None:  # (volumes have no pipeline: normalised as they are read)
             dataset.transform, *stats = deferred
             self._device_normalization = tuple(stats)

@@ -219,8 +219,7 @@ def normalization_stats(
         stats.append(values)
     if not np.isfinite(stats[0]).all():
         raise ValueError(f"mean must be finite, got {list(stats[0])}")
-    # (a std whose float32 reciprocal overflows would make every normalised value infinite)
-    if min(stats[1]) <= 0 or not np.isfinite(np.reciprocal(np.float32(stats[1]))).all():
+    if not min(stats[1]) >= 1e-37:  # (a smaller one's float32 reciprocal overflows, or nearly: every value infinite)
         raise ValueError(f"std must be positive and at least 1e-37 (its float32 reciprocal finite), got {list(stats[1])}")
     return stats[0], stats[1]
 
