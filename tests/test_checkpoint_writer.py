@@ -81,6 +81,29 @@ def test_at_most_max_pending_writes_wait(tmp_path):
     assert (tmp_path / "a.ckpt").exists() and (tmp_path / "b.ckpt").exists()
 
 
+def test_removals_do_not_count_towards_the_writes_that_may_wait(tmp_path):
+    """An epoch's best replaced (a write and a removal) and its last saved: the removal holds no copy, so the last's
+    save does not wait for the best's write; a third write beyond max_pending does."""
+    old = tmp_path / "old.ckpt"
+    torch.save({"x": 1}, old)
+    release = threading.Event()
+    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10), max_pending=2)
+    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "best.ckpt")
+    io.remove_checkpoint(old)
+    last = threading.Thread(target=io.save_checkpoint, args=({"x": torch.ones(1)}, tmp_path / "last.ckpt"))
+    last.start()
+    last.join(5)
+    assert not last.is_alive()  # did not wait: one write was waiting, max_pending - 1 may
+    third = threading.Thread(target=io.save_checkpoint, args=({"x": torch.ones(1)}, tmp_path / "next.ckpt"))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # two writes wait: this save waits for the oldest
+    release.set()
+    third.join(10)
+    io.teardown()
+    assert not old.exists() and all((tmp_path / f"{n}.ckpt").exists() for n in ("best", "last", "next"))
+
+
 def test_a_failed_write_is_raised_at_the_next_call(tmp_path):
     def settle(ckpt):
         raise OSError("disk full")

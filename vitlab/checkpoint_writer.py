@@ -17,7 +17,8 @@ thread, which
 and removes checkpoints in the same order, after the writes queued before (a ``ModelCheckpoint`` that replaces
 its best never leaves a moment with neither). Checkpoints saved at the same epoch and step (an epoch's best and
 last) share one host copy of the tensors they have in common: the second copies only what changed. At most
-``max_pending`` writes wait: a disk slower than the epochs makes training wait, not memory grow. Errors of a write
+``max_pending`` writes wait (removals, which hold no copy, are not counted): a disk slower than the epochs makes
+training wait, not memory grow. Errors of a write
 are raised in the training thread at the next call.
 """
 
@@ -43,8 +44,10 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         checkpoint_io: The writer that writes the file (default Lightning's :class:`TorchCheckpointIO`).
         settle: Called on the background thread with the host copy of each checkpoint, after its tensors are
             copied and before it is written; may wait, and may change the copy's plain values.
-        max_pending: Writes (and removals) that may wait before a new save waits for the oldest (default: two
-            epochs of a best and a last checkpoint).
+        max_pending: Writes that may wait before a new save waits for the oldest (default: two epochs of a best and
+            a last checkpoint). Removals are not counted: they hold no host copy (a ``ModelCheckpoint`` that replaces
+            its best asks for one every epoch, and counting it made the next epoch's save wait for a write that had
+            room to wait).
     """
 
     def __init__(self, checkpoint_io: CheckpointIO | None = None, settle: Callable[[dict[str, Any]], None] | None = None,
@@ -53,7 +56,8 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         self.settle = settle
         self.max_pending = max(1, max_pending)
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: deque[Future] = deque()
+        self._pending: deque[Future] = deque()  # writes and removals, in the order they were asked for
+        self._writes: deque[Future] = deque()  # the writes among them (each holds a host copy)
         self._error: BaseException | None = None
         self._free: dict[tuple, list[list[torch.Tensor]]] = {}  # pinned buffer sets by layout, ready for reuse
         self._latest: _HostCopy | None = None  # the last save's copy (held: the next save of the same step shares it)
@@ -64,7 +68,7 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
     # -------------------------------------------------------------------------------------------------- saving
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         self._raise_error()
-        self._wait_pending(self.max_pending - 1)
+        self._wait_writes(self.max_pending - 1)
         host, copies = self._host_copy(checkpoint)
 
         def write() -> None:
@@ -82,7 +86,7 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
                 for copy in copies:
                     self._release(copy)
 
-        self._submit(write)
+        self._writes.append(self._submit(write))
 
     def remove_checkpoint(self, path: Any) -> None:
         self._raise_error()
@@ -126,14 +130,26 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         with atomic_path(path) as tmp, open(tmp, "wb") as handle:
             torch.save(host, handle)
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _submit(self, job: Callable[[], None]) -> Future:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitlab-checkpoint")
-        self._pending.append(self._executor.submit(job))
+        future = self._executor.submit(job)
+        self._pending.append(future)
+        return future
 
     def _wait_pending(self, keep: int) -> None:
         while len(self._pending) > keep:
             self._pending.popleft().result()
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        self._writes = deque(f for f in self._writes if not f.done())
+
+    def _wait_writes(self, keep: int) -> None:
+        """Block until at most ``keep`` writes wait (the removals asked for before them run first: one thread)."""
+        while len(self._writes) > keep:
+            self._writes.popleft().result()
+        while self._writes and self._writes[0].done():
+            self._writes.popleft()
         while self._pending and self._pending[0].done():
             self._pending.popleft()
 
