@@ -20,8 +20,10 @@ What it runs (about 5 minutes on one H100 / H200):
    96^3 patches with batch 2 from ``configs/medical_swinunetr.yaml`` (bf16-mixed), ``runtime: auto``, for
    ``--epochs`` epochs; the first is the warm-up and is left out. Per epoch, with the GPU synchronised at the
    epoch's edges only: images/s of the training steps (first batch start to last batch end, before the epoch's
-   validation), whole-epoch images/s (epoch start to the next epoch start: validation, callbacks and checkpoints
-   included) and the epoch's seconds split into steps, validation and the rest, the training loop's
+   validation), whole-epoch images/s (epoch start to the next epoch start, or for the last epoch to the end of
+   training: validation, callbacks and checkpoints included) and the epoch's seconds split into steps, validation
+   and the rest; the fit's end apart (once a fit: the teardown waits for the background work still queued, the
+   last epochs' Q/K/V work and checkpoint writes, and the figures); the training loop's
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
    start, the seconds the epoch's checkpoints take, the background threads' work (the seconds of Q/K/V work and of
    checkpoint writing running in the epoch, and how long after an epoch's end its Q/K/V work is done: beyond an
@@ -164,11 +166,16 @@ class EpochTimer(pl.Callback):
             self.current["excluded"] = {"start": time.perf_counter(), "steps": 5, "images": 5 * len(batch[0])}
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
-    def on_fit_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module):  # the last epoch ends here: its epoch-end hooks and checkpoints are done
         sync()
+        self.train_end = time.perf_counter()
         if self.current is not None:
-            self.current["epoch_s"] = time.perf_counter() - self.current["start"]
+            self.current["epoch_s"] = self.train_end - self.current["start"]
             self.epochs.append(self.current)
+            self.current = None
+    def on_fit_end(self, trainer, pl_module):  # (after the teardown: the run's background work drained, once a fit)
+        sync()
+        self.fit_end_s = time.perf_counter() - self.train_end if hasattr(self, "train_end") else 0.0
 
 spans = {"fetch": [], "callbacks": [], "checkpoints": [], "fit_start": [], "ckpt_dump": [], "ckpt_io": []}
 def timed(owner, name, key, store=spans):  # each call's (end, seconds) in store[key], on the thread that makes it
@@ -271,6 +278,7 @@ for epoch in timer.epochs:
                 "ckpt_io_s": sum(inside("ckpt_io")), **background_work(epoch["start"], end)})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
+                              "fit_end_s": getattr(timer, "fit_end_s", 0.0),
                               "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
                               "val_images": len(cli.datamodule.samples("val"))}))
@@ -462,9 +470,12 @@ def summarise(run: dict) -> dict[str, float]:
             "profiled_s": sum(e.get("profiled_s", 0.0) for e in epochs) / len(epochs),
             **{key: sum(e.get(key, 0.0) for e in epochs) / len(epochs) for key in BACKGROUND},
             "qkv_done_after_max_s": max(e.get("qkv_done_after_s", 0.0) for e in epochs),
-            "fit_start_callbacks_s": run["fit_start_callbacks_s"], "peak_gib": run["peak_gib"], "workers": run["workers"],
+            "fit_start_callbacks_s": run["fit_start_callbacks_s"], "fit_end_s": run.get("fit_end_s", 0.0),
+            "peak_gib": run["peak_gib"], "workers": run["workers"],
             "background_writes": run.get("background_writes", 0), "qkv_jobs": run.get("qkv_jobs", 0),
-            "threads": run["threads"], "val_images": run["val_images"]}
+            "threads": run["threads"], "val_images": run["val_images"],
+            "per_epoch": [{key: round(value, 4) if isinstance(value, float) else value for key, value in e.items()}
+                          for e in run["epochs"]]}
 
 
 def main() -> None:
@@ -541,7 +552,8 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} + the rest "
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
             f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); step median {run.get('median_step_ms', 0):.1f} ms, "
-            f"90th percentile {run.get('p90_step_ms', 0):.1f} ms"
+            f"90th percentile {run.get('p90_step_ms', 0):.1f} ms; fit end {run.get('fit_end_s', 0):.2f} s (once a fit: the "
+            f"background work drained)"
             + (f"; left out: {run['profiled_s']:.2f} s/epoch of 5 profiled steps" if run.get("profiled_s") else "")
             + (f"; background threads per epoch: Q/K/V work {run['qkv_busy_s']:.2f} s ({run['qkv_cpu_s']:.2f} s of its thread's "
                f"CPU), done {run['qkv_done_after_s']:.2f} s after the hand-over (at most {run['qkv_done_after_max_s']:.2f} s), "

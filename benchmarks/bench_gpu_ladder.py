@@ -511,8 +511,9 @@ def main() -> None:
     for name, run in rungs:
         RUNG[0] = name
         results[name] = result = run()
-        print(f"  {name:40s} {result['ips']:8.1f} img/s  step {result['step_ms']:6.1f} ms  median {result['host_ms']:6.1f} ms",
-              flush=True)
+        print(f"  {name:40s} {result['ips']:8.1f} img/s  step {result['step_ms']:6.1f} ms  median {result['host_ms']:6.1f} ms"
+              + (f"  launch on an idle GPU {result['launch_ms']:6.1f} ms" if "launch_ms" in result else ""),
+              flush=True)  # (as each rung ends: a time limit that stops the ladder later leaves these)
     base = results["bare"]["ips"]
     print(f"\nbench_gpu_ladder on {card}, {size['model']} batch {size['batch']}, {size['precision']}, {steps} steps a rung")
     for name, result in results.items():

@@ -76,6 +76,11 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
         assert results[run]["background_writes"] > 0 and results[run]["qkv_jobs"] > 0, run
         assert results[run]["qkv_done_after_s"] > 0, run
     assert "vit Q/K/V work of an epoch: done" in report
+    # every epoch's own figures, and the fit's end (the background work drained, once a fit) apart from the last epoch
+    for run in ("vit/default", "swinunetr/default"):
+        epochs, end = results[run]["per_epoch"], results[run]["fit_end_s"]
+        assert len(epochs) == 2 and all(e["epoch_s"] >= e["train_s"] > 0 for e in epochs) and end > 0, run
+    assert "fit end" in report
     import tarfile
 
     with tarfile.open(out / "results.tar.gz") as archive:
