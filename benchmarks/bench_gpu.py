@@ -116,11 +116,36 @@ def write_profile(prof, steps):
     with open(PROFILE, "w") as f:
         f.write("\n".join(lines))
 
+# the epoch-level hooks of every callback and of the module, and the logger's save, each timed on the host (no sync:
+# a hook that waits, for the device or a thread, shows it): where the epoch's time outside its steps goes
+EPOCH_HOOKS = ("on_train_epoch_start", "on_train_epoch_end", "on_validation_start", "on_validation_epoch_start",
+               "on_validation_epoch_end", "on_validation_end", "on_save_checkpoint")
+hooks = []  # (end, seconds, "Owner.hook")
+def timed_hook(fn, key):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            hooks.append((end, end - start, key))
+    return wrapper
+
 class EpochTimer(pl.Callback):
     '''Per training epoch: its steps' span, the span to the next epoch start, images, loader wait, callbacks.'''
     def __init__(self):
         self.epochs, self.current, self.fit_start = [], None, {}
         self.prof, self.prof_first = None, 20
+    def setup(self, trainer, pl_module, stage):
+        owners = [(type(cb).__name__, cb) for cb in trainer.callbacks if cb is not self] + [(type(pl_module).__name__, pl_module)]
+        for name, owner in owners:
+            for hook in EPOCH_HOOKS:
+                fn = getattr(owner, hook, None)
+                if callable(fn):
+                    object.__setattr__(owner, hook, timed_hook(fn, f"{name}.{hook}"))
+        for logger in trainer.loggers:
+            object.__setattr__(logger, "save", timed_hook(logger.save, f"{type(logger).__name__}.save"))
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.prof is not None and batch_idx == self.prof_first + 4:
             sync()
@@ -137,6 +162,10 @@ class EpochTimer(pl.Callback):
         if self.current is not None and not trainer.sanity_checking:
             sync()
             self.current["val_start"] = time.perf_counter()
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and self.current is not None and "val_start" in self.current and "val_first_s" not in self.current:
+            sync()
+            self.current["val_first_s"] = time.perf_counter() - self.current["val_start"]
     def on_validation_end(self, trainer, pl_module):
         if self.current is not None and "val_start" in self.current:
             sync()
@@ -225,12 +254,13 @@ from vitlab.qkv.worker import QKVWorker
 _submit = QKVWorker.submit
 def timed_submit(self, job):
     queued = time.perf_counter()
+    kind = getattr(job, "__qualname__", "").split(".")[0] or "other"  # the callback that handed it in
     def run():
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return job()
         finally:
-            background["qkv"].append((queued, start, time.perf_counter(), time.thread_time() - cpu))
+            background["qkv"].append((queued, start, time.perf_counter(), time.thread_time() - cpu, kind))
     return _submit(self, run)
 QKVWorker.submit = timed_submit
 if os.environ.get("BENCH_BACKGROUND"):  # (--smoke on the CPU: the Q/K/V work and the checkpoints on their threads, as beside a GPU)
@@ -252,11 +282,22 @@ def background_work(start, end):
     def running(intervals):
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)
     handed = [j for j in background["qkv"] if start <= j[0] < end]
-    return {"qkv_busy_s": running([(j[1], j[2]) for j in background["qkv"]]),
+    by_kind = {}
+    for j in background["qkv"]:
+        if start <= j[1] < end:
+            by_kind[j[4]] = by_kind.get(j[4], 0.0) + (j[2] - j[1])
+    return {"qkv_busy_s": running([(j[1], j[2]) for j in background["qkv"]]), "qkv_jobs_s": by_kind,
             "qkv_cpu_s": sum(j[3] for j in background["qkv"] if start <= j[1] < end),
             "qkv_done_after_s": max(j[2] for j in handed) - min(j[0] for j in handed) if handed else 0.0,
             "write_s": running([(done - seconds, done) for done, seconds in background["write"]]),
             "settle_s": running([(done - seconds, done) for done, seconds in background["settle"]])}
+
+def epoch_hooks(start, end):  # seconds per hook (called in [start, end)), those of 1 ms or more
+    out = {}
+    for done, seconds, key in hooks:
+        if start <= done - seconds < end:
+            out[key] = out.get(key, 0.0) + seconds
+    return {key: round(value, 4) for key, value in sorted(out.items(), key=lambda kv: -kv[1]) if value >= 1e-3}
 
 from vitlab.cli import fit
 cli = fit(sys.argv[1:])
@@ -273,6 +314,7 @@ for epoch in timer.epochs:
                 "train_s": epoch["last"] - epoch["first"] - window["seconds"], "profiled_s": window["seconds"],
                 "val_s": epoch.get("val_s", 0.0), "median_step_s": gaps[len(gaps) // 2], "p90_step_s": gaps[int(0.9 * (len(gaps) - 1))],
                 "to_first_s": epoch["first"] - epoch["start"], "after_val_s": end - epoch.get("val_end", epoch["last"]),
+                "val_first_s": epoch.get("val_first_s", 0.0), "hooks_s": epoch_hooks(epoch["start"], end),
                 "epoch_s": epoch["epoch_s"] - window["seconds"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
                 "ckpt_io_s": sum(inside("ckpt_io")), **background_work(epoch["start"], end)})
@@ -463,6 +505,11 @@ def summarise(run: dict) -> dict[str, float]:
             "train_s": train_s / len(epochs), "median_step_ms": 1e3 * statistics.median(e.get("median_step_s", 0.0) for e in epochs),
             "p90_step_ms": 1e3 * statistics.median(e.get("p90_step_s", 0.0) for e in epochs),
             "to_first_s": sum(e.get("to_first_s", 0.0) for e in epochs) / len(epochs),
+            "val_first_s": sum(e.get("val_first_s", 0.0) for e in epochs) / len(epochs),
+            "qkv_jobs_s": {kind: sum(e.get("qkv_jobs_s", {}).get(kind, 0.0) for e in epochs) / len(epochs)
+                           for kind in sorted({k for e in epochs for k in e.get("qkv_jobs_s", {})})},
+            "hooks_s": dict(sorted(((key, sum(e.get("hooks_s", {}).get(key, 0.0) for e in epochs) / len(epochs))
+                                    for key in {k for e in epochs for k in e.get("hooks_s", {})}), key=lambda kv: -kv[1])),
             "after_val_s": sum(e.get("after_val_s", 0.0) for e in epochs) / len(epochs), "callbacks_s_per_epoch": sum(e["callbacks_s"] for e in epochs) / len(epochs),
             "checkpoints_s_per_epoch": sum(e["checkpoints_s"] for e in epochs) / len(epochs),
             "ckpt_dump_s_per_epoch": sum(e.get("ckpt_dump_s", 0.0) for e in epochs) / len(epochs),
@@ -549,14 +596,17 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch "
             f"(state {run.get('ckpt_dump_s_per_epoch', 0):5.3f} s, hand-over {run.get('ckpt_io_s_per_epoch', 0):5.3f} s); "
             f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB; epoch {run['epoch_s']:.2f} s = "
-            f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} + the rest "
+            f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} (to its first batch "
+            f"{run.get('val_first_s', 0):.2f}) + the rest "
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
             f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); step median {run.get('median_step_ms', 0):.1f} ms, "
             f"90th percentile {run.get('p90_step_ms', 0):.1f} ms; fit end {run.get('fit_end_s', 0):.2f} s (once a fit: the "
-            f"background work drained)"
+            f"background work drained); the slowest epoch-level hooks per epoch: "
+            + (", ".join(f"{key} {seconds:.3f} s" for key, seconds in list(run.get("hooks_s", {}).items())[:6]) or "none")
             + (f"; left out: {run['profiled_s']:.2f} s/epoch of 5 profiled steps" if run.get("profiled_s") else "")
             + (f"; background threads per epoch: Q/K/V work {run['qkv_busy_s']:.2f} s ({run['qkv_cpu_s']:.2f} s of its thread's "
-               f"CPU), done {run['qkv_done_after_s']:.2f} s after the hand-over (at most {run['qkv_done_after_max_s']:.2f} s), "
+               f"CPU; " + ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in run.get("qkv_jobs_s", {}).items())
+               + f"), done {run['qkv_done_after_s']:.2f} s after the hand-over (at most {run['qkv_done_after_max_s']:.2f} s), "
                f"checkpoint writes {run['write_s']:.2f} s (+ {run['settle_s']:.2f} s waiting for the Q/K/V work)"
                if "qkv_busy_s" in run else ""))
 

@@ -6,7 +6,8 @@
 # 1. Installs the wheels in .whl/ when there are any (benchmarks/gpu_wheels.py fetches them where an index is
 #    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
 #    (py-spy) on PATH.
-# 2. Runs `bench_gpu.py` (the default runs, `memdata` and `nocallbacks`) and then `bench_gpu_ladder.py --py-spy`,
+# 2. Runs `bench_gpu.py` (the default runs, `nocallbacks`, `compile` and `gpuspectra`) and then
+#    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit),
 #    each under its own time limit, with their data, runs and py-spy files in a temp folder, not in OUT: the data
 #    are thousands of files, and a machine lent for minutes may return only a few files.
 # 3. Leaves in OUT at most five files: bench_gpu.txt and ladder.txt (what each printed), bench_gpu.json, and
@@ -30,17 +31,17 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 smoke=()
 [ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
-read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants memdata nocallbacks}"
+read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks compile gpuspectra}"
 
 {
     echo "gpu_session: $(date -u +%FT%TZ), $(nproc) cores; py-spy: $(command -v py-spy || echo none)"
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    timeout "${BENCH_GPU_S:-330}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" ${smoke[@]+"${smoke[@]}"}
+    timeout "${BENCH_GPU_S:-420}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" ${smoke[@]+"${smoke[@]}"}
     echo "gpu_session: bench_gpu.py exit status $?"
 } 2>&1 | tee "$out/bench_gpu.txt"
 if [ "${GPU_SESSION_LADDER:-1}" != 0 ]; then
     {
-        timeout "${LADDER_S:-230}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" ${smoke[@]+"${smoke[@]}"}
+        timeout "${LADDER_S:-140}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" ${smoke[@]+"${smoke[@]}"}
         echo "gpu_session: bench_gpu_ladder.py exit status $?"
     } 2>&1 | tee "$out/ladder.txt"
 fi
