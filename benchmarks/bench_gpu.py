@@ -1,7 +1,8 @@
 """vitlab on one GPU against a bare bf16 loop of the same model, side by side on the same machine.
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
-                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread loadernorm]
+                                   [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread loadernorm
+                                    copyahead]
                                    [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
                                              # (the Q/K/V work and checkpoints on their threads, as beside a GPU)
@@ -38,7 +39,9 @@ What it runs (about 5 minutes on one H100 / H200):
    ``deterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``; ``onethread`` the ViT run with
    ``runtime.threads: 1`` (the Q/K/V spectra's host work on one core, leaving the others to the loader);
    ``loadernorm`` the ViT run with its batches normalised by the loader workers, as before (beside a GPU they leave the
-   final Normalize to the device: a gray slice travels with one channel instead of three).
+   final Normalize to the device: a gray slice travels with one channel instead of three); ``copyahead`` the ViT run
+   with its batches copied to the GPU one batch ahead on a stream of their own (``RuntimeCallback(copy_ahead="on")``),
+   so that the copy overlaps the previous step instead of preceding the step in the training stream.
 
 It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
@@ -272,6 +275,9 @@ if os.environ.get("BENCH_BACKGROUND"):  # (--smoke on the CPU: the Q/K/V work an
 if os.environ.get("BENCH_NORMALIZE"):  # (the loadernorm variant: where the batches are normalised)
     _normalize_init = RuntimeCallback.__init__
     RuntimeCallback.__init__ = lambda self, *a, **kw: _normalize_init(self, *a, **{**kw, "normalize": os.environ["BENCH_NORMALIZE"]})
+if os.environ.get("BENCH_COPY_AHEAD"):  # (the copyahead variant: batches copied one batch ahead on a stream of their own)
+    _ahead_init = RuntimeCallback.__init__
+    RuntimeCallback.__init__ = lambda self, *a, **kw: _ahead_init(self, *a, **{**kw, "copy_ahead": "on"})
 timed(RuntimeCallback, "_settle", "settle", background)
 timed(BackgroundCheckpointIO, "_write", "write", background)
 
@@ -461,15 +467,18 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
         args += ["--runtime.threads", "1"]
     callbacks = [{"class_path": "__main__.EpochTimer"}]  # (first: its epoch-end hook runs before the others')
     if variant != "nocallbacks":
-        callbacks += [{"class_path": f"vitlab.callbacks.{name}"} for name in ("QKVSnapshot", "QKVDrift", "QKSpectra")]
+        # figures after the first and the last epoch only, as in a long run (by default about 5 sets a run: after
+        # every epoch of a 3-epoch one); epochs 2..3 then hold one epoch with figures and one without
+        callbacks += [{"class_path": "vitlab.callbacks.QKVSnapshot"}] + [
+            {"class_path": f"vitlab.callbacks.{name}", "init_args": {"figures_every_n_epochs": 1000}} for name in ("QKVDrift", "QKSpectra")]
     if variant == "gpuspectra":  # the eigenproblems on the GPU instead of the host's cores
-        callbacks[-1]["init_args"] = {"device": "weights"}
+        callbacks[-1]["init_args"]["device"] = "weights"
     callbacks.append({"class_path": "pytorch_lightning.callbacks.LearningRateMonitor", "init_args": {"logging_interval": "epoch"}})
     return args + ["--trainer.callbacks", json.dumps(callbacks)]
 
 
 def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False,
-               normalize: str | None = None) -> dict | None:
+               normalize: str | None = None, copy_ahead: bool = False) -> dict | None:
     """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run.
     ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -482,6 +491,8 @@ def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = Fal
         env["BENCH_MEMDATA"] = "1"
     if normalize is not None:
         env["BENCH_NORMALIZE"] = normalize
+    if copy_ahead:
+        env["BENCH_COPY_AHEAD"] = "1"
     proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -532,7 +543,8 @@ def main() -> None:
     parser.add_argument("--train-images", type=int, default=5120, help="ViT training slices (a quarter more for validation)")
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
     parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
-                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread", "loadernorm"],
+                        choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread", "loadernorm",
+                                 "copyahead"],
                         help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
@@ -574,7 +586,8 @@ def main() -> None:
             print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
-                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None)
+                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None,
+                         copy_ahead=variant == "copyahead")
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)

@@ -6,7 +6,7 @@
 # 1. Installs the wheels in .whl/ when there are any (benchmarks/gpu_wheels.py fetches them where an index is
 #    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
 #    (py-spy) on PATH.
-# 2. Runs `bench_gpu.py` (the default runs, `nocallbacks`, `compile` and `gpuspectra`) and then
+# 2. Runs `bench_gpu.py` (the default runs, `nocallbacks`, `copyahead` and `compile`) and then
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit),
 #    each under its own time limit, with their data, runs and py-spy files in a temp folder, not in OUT: the data
 #    are thousands of files, and a machine lent for minutes may return only a few files.
@@ -31,7 +31,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 smoke=()
 [ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
-read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks compile gpuspectra}"
+read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks copyahead compile}"
 
 {
     echo "gpu_session: $(date -u +%FT%TZ), $(nproc) cores; py-spy: $(command -v py-spy || echo none)"

@@ -5,6 +5,7 @@ by the figure worker, whose backlog is bounded."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -131,6 +132,9 @@ def test_written_images_counts_what_tensorboard_reads_back(tmp_path):
     for tag, step in [("a", 0), ("a", 1), ("a", 1), ("b", 2), ("a", 3), ("b", 4)]:
         write_png(killed, tag, png, step)
     killed.close()
+    # event files sort by name: the second they were opened, then the host, the process and a count of the writers
+    # this process opened, which sorts "10" before "9"; a resumed run opens its file seconds later, as here
+    time.sleep(1.01 - time.time() % 1)
     resumed = SummaryWriter(str(tmp_path), purge_step=3)
     write_png(resumed, "a", png, 3)
     resumed.close()
