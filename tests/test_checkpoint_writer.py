@@ -245,3 +245,89 @@ def test_local_files_are_written_straight_to_disk_and_are_lightnings_bytes(tmp_p
     io.wait()
     assert saved == ["memory://run/remote.ckpt"]
     io.teardown()
+
+
+def _epoch_end(io, tmp_path, weights, epoch, extra=None):
+    """An epoch's best and last checkpoints, as train.py's two ModelCheckpoints save them: the same step, the same
+    tensors, the same other values (unless ``extra`` changes the last's)."""
+    best = {"state_dict": {"w": weights}, "epoch": epoch, "global_step": 10 * epoch, "callbacks": {"cb": {"n": epoch}}}
+    last = {**best, "callbacks": {"cb": {"n": epoch, **(extra or {})}}}
+    io.save_checkpoint(best, tmp_path / f"best-{epoch}.ckpt")
+    io.save_checkpoint(last, tmp_path / "last.ckpt")
+
+
+def test_an_epochs_last_checkpoint_equal_to_its_best_is_a_hard_link_to_it(tmp_path):
+    import os
+
+    weights = torch.randn(8, 8)
+    io = BackgroundCheckpointIO(settle=lambda ckpt: None)
+    _epoch_end(io, tmp_path, weights, epoch=1)
+    io.wait()
+    best, last = tmp_path / "best-1.ckpt", tmp_path / "last.ckpt"
+    assert io.links == 1 and os.stat(best).st_ino == os.stat(last).st_ino
+    assert torch.equal(torch.load(last, weights_only=True)["state_dict"]["w"], weights)
+    # the bytes a write of the last checkpoint alone makes
+    alone = BackgroundCheckpointIO(settle=lambda ckpt: None)
+    alone.save_checkpoint({"state_dict": {"w": weights}, "epoch": 1, "global_step": 10, "callbacks": {"cb": {"n": 1}}},
+                          tmp_path / "alone.ckpt")
+    alone.teardown()
+    assert (tmp_path / "alone.ckpt").read_bytes() == last.read_bytes()
+    (tmp_path / "alone.ckpt").unlink()
+    # the next epoch: new weights, a new best replaces the old (removed), the last rewritten: no file changed under
+    # another's name
+    weights.add_(1.0)
+    _epoch_end(io, tmp_path, weights, epoch=2)
+    io.remove_checkpoint(best)
+    io.wait()
+    assert not best.exists() and io.links == 2
+    assert os.stat(tmp_path / "best-2.ckpt").st_ino == os.stat(last).st_ino
+    assert torch.equal(torch.load(last, weights_only=True)["state_dict"]["w"], weights)
+    assert torch.load(last, weights_only=True)["epoch"] == 2
+    io.teardown()
+
+
+@pytest.mark.parametrize("change", ["value", "tensor", "settle", "step"])
+def test_a_checkpoint_that_differs_from_the_one_before_is_written(tmp_path, change):
+    """Any difference writes the file: another plain value, a tensor changed in place between the saves, a value the
+    barrier sets differently, another step."""
+    import os
+
+    weights = torch.randn(8, 8)
+    calls = []
+
+    def settle(ckpt):
+        calls.append(1)
+        if change == "settle":
+            ckpt["callbacks"]["cb"]["pending"] = len(calls)
+
+    io = BackgroundCheckpointIO(settle=settle)
+    best = {"state_dict": {"w": weights}, "epoch": 1, "global_step": 10, "callbacks": {"cb": {"n": 1}}}
+    io.save_checkpoint(best, tmp_path / "best.ckpt")
+    last = {**best, "callbacks": {"cb": {"n": 1}}}
+    if change == "value":
+        last["callbacks"]["cb"]["n"] = 2
+    elif change == "tensor":
+        weights.add_(1.0)
+    elif change == "step":
+        last["global_step"] = 11
+    io.save_checkpoint(last, tmp_path / "last.ckpt")
+    io.wait()
+    assert io.links == 0 and os.stat(tmp_path / "best.ckpt").st_ino != os.stat(tmp_path / "last.ckpt").st_ino
+    loaded = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], weights)
+    io.teardown()
+
+
+def test_where_links_cannot_be_made_the_checkpoint_is_written(tmp_path, monkeypatch):
+    import os
+
+    def no_links(*args, **kwargs):
+        raise OSError("links not supported here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    weights = torch.randn(4)
+    io = BackgroundCheckpointIO(settle=lambda ckpt: None)
+    _epoch_end(io, tmp_path, weights, epoch=1)
+    io.teardown()
+    assert io.links == 0 and torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w"], weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-1.ckpt", "last.ckpt"]  # (no temp file left)

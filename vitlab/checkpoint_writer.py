@@ -16,7 +16,10 @@ thread, which
 
 and removes checkpoints in the same order, after the writes queued before (a ``ModelCheckpoint`` that replaces
 its best never leaves a moment with neither). Checkpoints saved at the same epoch and step (an epoch's best and
-last) share one host copy of the tensors they have in common: the second copies only what changed. At most
+last) share one host copy of the tensors they have in common: the second copies only what changed, and when nothing
+changed at all (every tensor shared, every other value equal once settled: ``train.py``'s best and last checkpoints
+of an epoch that improved) its file is a hard link to the first's instead of a second write of the same bytes
+(a ViT-B checkpoint with its AdamW state is about 1 GB); where links cannot be made it is written. At most
 ``max_pending`` writes wait (removals, which hold no copy, are not counted): a disk slower than the epochs makes
 training wait, not memory grow. Errors of a write
 are raised in the training thread at the next call.
@@ -62,6 +65,8 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         self._free: dict[tuple, list[list[torch.Tensor]]] = {}  # pinned buffer sets by layout, ready for reuse
         self._latest: _HostCopy | None = None  # the last save's copy (held: the next save of the same step shares it)
         self._lock = threading.Lock()
+        self._last_file: tuple | None = None  # (path, step, skeleton, host copy) of the last file written here
+        self.links = 0  # checkpoints written as a hard link to the file written before them (the same bytes)
         self.writes = 0
         self.copies = 0  # tensors copied from the checkpoints handed in (a tensor shared with the save before is not)
 
@@ -70,6 +75,7 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         self._raise_error()
         self._wait_writes(self.max_pending - 1)
         host, copies = self._host_copy(checkpoint)
+        step = (checkpoint.get("epoch"), checkpoint.get("global_step"))
 
         def write() -> None:
             try:
@@ -78,7 +84,14 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
                         copy.event.synchronize()
                 if self.settle is not None:
                     self.settle(host)
-                self._write(host, path, storage_options)
+                skeleton = _skeleton(host) if None not in step and self._plain(path, storage_options) else None
+                last, self._last_file = self._last_file, None
+                if skeleton is not None and last is not None and last[1:3] == (step, skeleton) and _link(last[0], path):
+                    self.links += 1  # (the large tensors the very objects the last file holds, every other value equal)
+                else:
+                    self._write(host, path, storage_options)
+                if skeleton is not None:  # (its host copy kept with it: no other tensor takes the identities compared)
+                    self._last_file = (str(path), step, skeleton, host)
                 self.writes += 1
             except BaseException as exc:  # noqa: BLE001  (raised in the training thread at its next call)
                 self._error = self._error or exc
@@ -90,7 +103,13 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         self._raise_error()
-        self._submit(lambda: self.checkpoint_io.remove_checkpoint(path))
+
+        def remove() -> None:
+            if self._last_file is not None and self._last_file[0] == str(path):
+                self._last_file = None
+            self.checkpoint_io.remove_checkpoint(path)
+
+        self._submit(remove)
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.wait()
@@ -115,6 +134,10 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
             super().teardown()
 
     # ------------------------------------------------------------------------------------------------- helpers
+    def _plain(self, path: Any, storage_options: Any | None) -> bool:
+        """Whether this save is a local file written by Lightning's plain writer (the files :meth:`_write` writes itself)."""
+        return type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
+
     def _write(self, host: dict[str, Any], path: Any, storage_options: Any | None) -> None:
         """Lightning's writer, or for its plain writer and a local path the same file written straight to disk.
 
@@ -122,7 +145,7 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
         growing that buffer, and copying it out, holds the interpreter's lock for much of the write, and the
         training thread on the GPU waits for that lock at every launch. ``torch.save`` into an open file writes
         the same bytes (tested) and holds the lock about a fifth as long (``benchmarks/bench_beside_training.py``)."""
-        if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or "://" in str(path):
+        if not self._plain(path, storage_options):
             self.checkpoint_io.save_checkpoint(host, path, storage_options=storage_options)
             return
         from vitlab.outputs.files import atomic_path
@@ -258,6 +281,45 @@ def _identity(t: torch.Tensor) -> tuple | None:
         return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+SMALL_TENSOR = 1 << 16  # bytes: tensors up to this size are compared by value (random states, figures' arrays)
+
+
+def _skeleton(host: dict[str, Any]) -> bytes | None:
+    """``host`` (a host copy: its tensors on the CPU) pickled with every tensor replaced by its dtype, shape and
+    bytes when small, else by the identity of the Python object; None when it does not pickle. Two checkpoints of one
+    step with equal skeletons hold the same values (the large tensors are the very host copies a save shares with the
+    save before it at the same step; see :meth:`BackgroundCheckpointIO._host_copy`), which ``torch.save`` writes as
+    the same bytes. (The caller keeps the compared host copy alive: no other tensor can take its identities.)"""
+    import pickle
+
+    def token(t: torch.Tensor) -> tuple:
+        if t.numel() * t.element_size() <= SMALL_TENSOR:
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return ("value", str(t.dtype), tuple(t.shape), raw)
+        return ("object", id(t), str(t.dtype), tuple(t.shape), t.stride())
+
+    try:
+        return pickle.dumps(apply_to_collection(host, torch.Tensor, token), protocol=4)
+    except Exception:  # noqa: BLE001  (a value that does not pickle here: the file is written, not linked)
+        return None
+
+
+def _link(previous: str, path: Any) -> bool:
+    """Make ``path`` a hard link to the file ``previous`` (atomically: a link beside it, renamed onto it); False
+    where that fails (no such file, links not supported, another file system)."""
+    import os
+
+    from vitlab.outputs.files import atomic_path
+
+    try:
+        with atomic_path(path) as tmp:
+            tmp.unlink()
+            os.link(previous, tmp)
+    except OSError:
+        return False
+    return True
 
 
 def settles_checkpoints(checkpoint_io: Any) -> bool:
