@@ -6,17 +6,19 @@
 # 1. Installs the wheels in .whl/ when there are any (benchmarks/gpu_wheels.py fetches them where an index is
 #    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
 #    (py-spy) on PATH.
-# 2. Runs `bench_gpu.py` (the default runs, `nocallbacks`, `copyahead` and `compile`) and then
-#    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit),
-#    each under its own time limit, with their data, runs and py-spy files in a temp folder, not in OUT: the data
-#    are thousands of files, and a machine lent for minutes may return only a few files.
-# 3. Leaves in OUT at most five files: bench_gpu.txt and ladder.txt (what each printed), bench_gpu.json, and
-#    results.tar.gz (the JSON, torch.profiler's tables, py-spy's stacks and lock-holder samples).
+# 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, the steps under
+#    torch.cuda.set_sync_debug_mode("error"), batches copied ahead on a stream of their own) into cudatests.txt, then
+#    `bench_gpu.py` (the default runs, `nocallbacks`, `copyahead` and `compile`), then, with GPU_SESSION_LADDER=1,
+#    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with
+#    their data, runs and py-spy files in a temp folder, not in OUT: the data are thousands of files, and a machine
+#    lent for minutes may return only a few files. The defaults fit one 600 s call; the ladder takes a second one.
+# 3. Leaves in OUT at most six files: cudatests.txt, bench_gpu.txt and ladder.txt (what each printed),
+#    bench_gpu.json, and results.tar.gz (the JSON, torch.profiler's tables, py-spy's stacks and lock-holder samples).
 #
-# Without a GPU each benchmark says so in one line. Environment (defaults in brackets): GPU_SESSION_SMOKE=1 runs both
-# with --smoke (tiny models on the CPU: checks this script); BENCH_GPU_ARGS [--task vit swinunetr --variants memdata
-# nocallbacks], BENCH_GPU_S [330] and LADDER_S [230] (seconds), GPU_SESSION_LADDER=0 leaves the ladder out, PYTHON
-# [python3] the interpreter.
+# Without a GPU each benchmark says so in one line (and the CUDA tests are skipped). Environment (defaults in
+# brackets): GPU_SESSION_SMOKE=1 runs the benchmarks with --smoke (tiny models on the CPU: checks this script);
+# GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [90]; BENCH_GPU_ARGS [--task vit swinunetr --variants nocallbacks
+# copyahead compile], BENCH_GPU_S [420]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
 set -u
 out=${1:-${OUT:-$(mktemp -d -t vitlab-gpu-session-XXXXXX)}}
 mkdir -p "$out"
@@ -33,15 +35,22 @@ smoke=()
 [ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
 read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks copyahead compile}"
 
+if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
+    {
+        timeout "${TESTS_S:-90}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_checkpoint_writer.py \
+            tests/data/test_device_normalize.py tests/training/test_step_syncs.py tests/data/test_copy_ahead.py 2>&1 | tail -25
+        echo "gpu_session: CUDA tests exit status ${PIPESTATUS[0]}"
+    } 2>&1 | tee "$out/cudatests.txt"
+fi
 {
     echo "gpu_session: $(date -u +%FT%TZ), $(nproc) cores; py-spy: $(command -v py-spy || echo none)"
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     timeout "${BENCH_GPU_S:-420}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" ${smoke[@]+"${smoke[@]}"}
     echo "gpu_session: bench_gpu.py exit status $?"
 } 2>&1 | tee "$out/bench_gpu.txt"
-if [ "${GPU_SESSION_LADDER:-1}" != 0 ]; then
+if [ "${GPU_SESSION_LADDER:-0}" != 0 ]; then
     {
-        timeout "${LADDER_S:-140}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" ${smoke[@]+"${smoke[@]}"}
+        timeout "${LADDER_S:-230}" "$python" benchmarks/bench_gpu_ladder.py --py-spy "$work/pyspy" ${smoke[@]+"${smoke[@]}"}
         echo "gpu_session: bench_gpu_ladder.py exit status $?"
     } 2>&1 | tee "$out/ladder.txt"
 fi

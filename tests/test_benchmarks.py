@@ -44,11 +44,13 @@ def _session(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, P
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the scripts would measure")
 def test_without_a_gpu_the_session_script_keeps_each_benchmarks_line(tmp_path):
-    done, out = _session(tmp_path)
+    done, out = _session(tmp_path, GPU_SESSION_LADDER="1")
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("bench_gpu.txt", "ladder.txt"):
         text = (out / name).read_text()
         assert "no CUDA GPU" in text and "exit status 0" in text, text
+    tests = (out / "cudatests.txt").read_text()  # (the CUDA-only tests, skipped here)
+    assert "skipped" in tests and "failed" not in tests and "CUDA tests exit status 0" in tests, tests
     assert all(path.is_file() for path in out.iterdir())
 
 
@@ -56,7 +58,7 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
     """Through the session script a lent GPU machine runs: data made on the machine, the bare loops, vitlab's fits in
     new processes (the default one profiled), the fit fed from memory, the report and its JSON; what comes back is a
     few files (the data and runs stay in the temp folder)."""
-    done, out = _session(tmp_path, GPU_SESSION_SMOKE="1", GPU_SESSION_LADDER="0",
+    done, out = _session(tmp_path, GPU_SESSION_SMOKE="1", GPU_SESSION_LADDER="0", GPU_SESSION_TESTS="0",
                          BENCH_GPU_ARGS="--task vit swinunetr --variants memdata --epochs 2")
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert sorted(path.name for path in out.iterdir()) == ["bench_gpu.json", "bench_gpu.txt", "results.tar.gz"]
