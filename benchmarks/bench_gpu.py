@@ -124,7 +124,7 @@ def write_profile(prof, steps):
 EPOCH_HOOKS = ("on_train_epoch_start", "on_train_epoch_end", "on_validation_start", "on_validation_epoch_start",
                "on_validation_epoch_end", "on_validation_end", "on_save_checkpoint")
 hooks = []  # (end, seconds, "Owner.hook")
-def timed_hook(fn, key):
+def timer(fn, record):  # fn, each call's (end, seconds) handed to record, on the thread that makes it
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
@@ -132,8 +132,10 @@ def timed_hook(fn, key):
             return fn(*args, **kwargs)
         finally:
             end = time.perf_counter()
-            hooks.append((end, end - start, key))
+            record(end, end - start)
     return wrapper
+def timed_hook(fn, key):
+    return timer(fn, lambda end, seconds: hooks.append((end, seconds, key)))
 
 class EpochTimer(pl.Callback):
     '''Per training epoch: its steps' span, the span to the next epoch start, images, loader wait, callbacks.'''
@@ -211,16 +213,7 @@ class EpochTimer(pl.Callback):
 
 spans = {"fetch": [], "callbacks": [], "checkpoints": [], "fit_start": [], "ckpt_dump": [], "ckpt_io": []}
 def timed(owner, name, key, store=spans):  # each call's (end, seconds) in store[key], on the thread that makes it
-    original = getattr(owner, name)
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            end = time.perf_counter()
-            store[key].append((end, end - start))
-    setattr(owner, name, wrapper)
+    setattr(owner, name, timer(getattr(owner, name), lambda end, seconds: store[key].append((end, seconds))))
 
 from vitlab.callbacks import QKSpectra, QKVDrift, QKVSnapshot
 from vitlab.checkpoint_writer import BackgroundCheckpointIO

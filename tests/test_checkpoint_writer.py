@@ -47,18 +47,25 @@ def test_settle_runs_before_the_write_and_may_change_the_copy(tmp_path):
     assert settles_checkpoints(io) and not settles_checkpoints(BackgroundCheckpointIO())
 
 
-def test_a_removal_waits_for_the_writes_asked_for_before_it(tmp_path):
-    """A ModelCheckpoint that replaces its best writes the new file, then removes the old: never neither."""
+def _best_replaced(tmp_path, max_pending: int):
+    """A writer whose barrier holds every write until ``release`` is set, asked to write a new best checkpoint and
+    to remove the old one (a file already on disk), as a ModelCheckpoint replacing its best does."""
     old = tmp_path / "old.ckpt"
     torch.save({"x": 1}, old)
     release = threading.Event()
-    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10), max_pending=4)
-    io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "new.ckpt")
+    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10), max_pending=max_pending)
+    io.save_checkpoint({"x": torch.ones(2)}, tmp_path / "best.ckpt")
     io.remove_checkpoint(old)
+    return io, old, release
+
+
+def test_a_removal_waits_for_the_writes_asked_for_before_it(tmp_path):
+    """A ModelCheckpoint that replaces its best writes the new file, then removes the old: never neither."""
+    io, old, release = _best_replaced(tmp_path, max_pending=4)
     assert old.exists()  # still: the new one is not written yet
     release.set()
     io.wait()
-    assert not old.exists() and (tmp_path / "new.ckpt").exists()
+    assert not old.exists() and (tmp_path / "best.ckpt").exists()
     io.teardown()
 
 
@@ -84,12 +91,7 @@ def test_at_most_max_pending_writes_wait(tmp_path):
 def test_removals_do_not_count_towards_the_writes_that_may_wait(tmp_path):
     """An epoch's best replaced (a write and a removal) and its last saved: the removal holds no copy, so the last's
     save does not wait for the best's write; a third write beyond max_pending does."""
-    old = tmp_path / "old.ckpt"
-    torch.save({"x": 1}, old)
-    release = threading.Event()
-    io = BackgroundCheckpointIO(settle=lambda ckpt: release.wait(10), max_pending=2)
-    io.save_checkpoint({"x": torch.ones(1)}, tmp_path / "best.ckpt")
-    io.remove_checkpoint(old)
+    io, old, release = _best_replaced(tmp_path, max_pending=2)
     last = threading.Thread(target=io.save_checkpoint, args=({"x": torch.ones(1)}, tmp_path / "last.ckpt"))
     last.start()
     last.join(5)
