@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
                                    [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread loadernorm
-                                    copyahead]
+                                    copyahead cudagraphs]
                                    [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
                                              # (the Q/K/V work and checkpoints on their threads, as beside a GPU)
@@ -41,7 +41,9 @@ What it runs (about 5 minutes on one H100 / H200):
    ``loadernorm`` the ViT run with its batches normalised by the loader workers, as before (beside a GPU they leave the
    final Normalize to the device: a gray slice travels with one channel instead of three); ``copyahead`` the ViT run
    with its batches copied to the GPU one batch ahead on a stream of their own (``RuntimeCallback(copy_ahead="on")``),
-   so that the copy overlaps the previous step instead of preceding the step in the training stream.
+   so that the copy overlaps the previous step instead of preceding the step in the training stream; ``cudagraphs``
+   the ViT run with ``model.compile: {mode: reduce-overhead}`` (the compiled forward and backward replayed as CUDA
+   graphs: one launch where the host launched hundreds of kernels).
 
 It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
@@ -454,6 +456,8 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
                 *common]
     if variant == "compile":
         args += ["--model.compile", "true"]
+    if variant == "cudagraphs":  # compiled, and the compiled graphs replayed as CUDA graphs (the host launches one)
+        args += ["--model.compile", json.dumps({"mode": "reduce-overhead"})]
     if variant == "nondeterministic":
         args += ["--trainer.deterministic", "false"]
     if variant == "onethread":  # the host's share of the Q/K/V work (spectra) on one core instead of runtime: auto's
@@ -537,7 +541,7 @@ def main() -> None:
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
     parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
                         choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread", "loadernorm",
-                                 "copyahead"],
+                                 "copyahead", "cudagraphs"],
                         help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")

@@ -8,7 +8,8 @@
 #    (py-spy) on PATH.
 # 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, the steps under
 #    torch.cuda.set_sync_debug_mode("error"), batches copied ahead on a stream of their own) into cudatests.txt, then
-#    `bench_gpu.py` (the default runs, `nocallbacks`, `copyahead` and `compile`), then, with GPU_SESSION_LADDER=1,
+#    `bench_gpu.py` (the default runs, `nocallbacks`, `copyahead`, `cudagraphs` and `compile`, as far as its time
+#    limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with
 #    their data, runs and py-spy files in a temp folder, not in OUT: the data are thousands of files, and a machine
 #    lent for minutes may return only a few files. The defaults fit one 600 s call; the ladder takes a second one.
@@ -18,7 +19,7 @@
 # Without a GPU each benchmark says so in one line (and the CUDA tests are skipped). Environment (defaults in
 # brackets): GPU_SESSION_SMOKE=1 runs the benchmarks with --smoke (tiny models on the CPU: checks this script);
 # GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [90]; BENCH_GPU_ARGS [--task vit swinunetr --variants nocallbacks
-# copyahead compile], BENCH_GPU_S [420]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
+# copyahead cudagraphs compile], BENCH_GPU_S [420]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
 set -u
 out=${1:-${OUT:-$(mktemp -d -t vitlab-gpu-session-XXXXXX)}}
 mkdir -p "$out"
@@ -33,7 +34,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 smoke=()
 [ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
-read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks copyahead compile}"
+read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks copyahead cudagraphs compile}"
 
 if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
     {
