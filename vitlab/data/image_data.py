@@ -398,7 +398,8 @@ class ImageData:
         whole = not train and self.volume_options is not None and self.volume_options.own_size
         return (EpochLoader if train else AheadLoader)(
             dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-            device=self.copy_ahead_device,
+            # (whole volumes are not copied ahead: two more on the device can be gigabytes, beside seconds of inference)
+            device=None if whole else self.copy_ahead_device,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
             # worker seeds from a generator of the loader's own, not torch's global stream: 0 workers (an iterator
             # per epoch) and persistent workers (one) then leave the same draws for the model's dropout / drop path
