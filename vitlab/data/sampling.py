@@ -157,11 +157,6 @@ class DeviceAhead:
         self._next = self._copy_next()  # (the next copy queued now: it runs beside the kernels queued before it)
         return batch
 
-    def __getattr__(self, name: str):  # the loader iterator's own attributes (e.g. its workers)
-        if name == "batches":  # (not set yet: during __init__)
-            raise AttributeError(name)
-        return getattr(self.batches, name)
-
     def _copy_next(self):
         try:
             host = next(self.batches)
