@@ -155,7 +155,9 @@ class BackgroundCheckpointIO(_WrappingCheckpointIO):
 
     def _submit(self, job: Callable[[], None]) -> Future:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitlab-checkpoint")
+            from vitlab.solver_pool import one_thread  # (its copies on one core: see vitlab.solver_pool)
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitlab-checkpoint", initializer=one_thread)
         future = self._executor.submit(job)
         self._pending.append(future)
         return future

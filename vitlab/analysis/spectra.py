@@ -19,6 +19,7 @@ magnitudes. vitlab reports these spectra for cosine models, flagged by ``BlockVi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -205,8 +206,25 @@ def _each_field(spectra: QKSpectra, fn) -> QKSpectra:
     return QKSpectra(**{name: None if getattr(spectra, name) is None else fn(getattr(spectra, name)) for name in _FIELDS})
 
 
+def _concat(parts: list[QKSpectra]) -> QKSpectra:
+    """The fields of ``parts`` (chunks of one batch, in order) joined along the batch."""
+    return QKSpectra(**{name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+                        for name in _FIELDS})
+
+
+def _solve(wq_h: Tensor, wk_h: Tensor, antisymmetric: bool, executor) -> Callable[[], QKSpectra]:
+    """``_spectra`` of a batch, started now: in chunks on ``executor``'s threads (host tensors only), else when the
+    returned function is called."""
+    if executor is None or wq_h.device.type != "cpu" or len(wq_h) < 2:
+        return lambda: _spectra(wq_h, wk_h, antisymmetric)
+    bounds = torch.linspace(0, len(wq_h), min(len(wq_h), executor.threads) + 1).round().long().tolist()
+    futures = [executor.submit(_spectra, wq_h[a:b], wk_h[a:b], antisymmetric) for a, b in zip(bounds, bounds[1:])]
+    return lambda: _concat([f.result() for f in futures])
+
+
 def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool = True,
-                  out_device: str | torch.device | None = None, antisymmetric: bool = True) -> dict[str, QKSpectra]:
+                  out_device: str | torch.device | None = None, antisymmetric: bool = True,
+                  executor=None) -> dict[str, QKSpectra]:
     """``qk_spectra`` of every block of a flat Q/K/V state (see :func:`vitlab.qkv.state.qkv_state`).
 
     Blocks of one shape (heads, rows, width) are solved together: their heads are stacked into one batch of
@@ -220,6 +238,9 @@ def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool 
         out_device: Where the results are returned (``"cpu"``: one copy per field and shape group); None: where
             they were computed.
         antisymmetric: Also the antisymmetric parts' eigenvalues (``asym_imag``, else None), as in :func:`qk_spectra`.
+        executor: A :class:`concurrent.futures.Executor` with a ``threads`` count, e.g. a
+            :class:`vitlab.solver_pool.SolverPool`: host batches are solved in that many chunks on its threads (the
+            same problems; each one's values do not depend on the chunks). None: in this thread, one batch each.
 
     Returns:
         Block name -> :class:`QKSpectra` (per head, with ``summed``), in the order of ``heads``.
@@ -227,15 +248,19 @@ def block_spectra(state: dict[str, Tensor], heads: dict[str, int], summed: bool 
     groups: dict[tuple, list[str]] = {}
     for block, num_heads in heads.items():
         groups.setdefault((num_heads, tuple(state[f"{block}.q.weight"].shape)), []).append(block)
-    out: dict[str, QKSpectra] = {}
+    solving = []  # every group's problems handed out first (the dense head-summed ones first: the longest)
     for (num_heads, _), members in groups.items():
         split = [_split_heads(state[f"{b}.q.weight"], state[f"{b}.k.weight"], num_heads) for b in members]
-        per_head = _spectra(torch.cat([q for q, _ in split]), torch.cat([k for _, k in split]), antisymmetric)  # (n * H, ...)
         total = None
         if summed:  # each block's whole (H * hd, C) weights as one "head"
-            total = _spectra(torch.stack([state[f"{b}.q.weight"].detach() for b in members]),
-                             torch.stack([state[f"{b}.k.weight"].detach() for b in members]).to(split[0][0].device),
-                             antisymmetric)
+            total = _solve(torch.stack([state[f"{b}.q.weight"].detach() for b in members]),
+                           torch.stack([state[f"{b}.k.weight"].detach() for b in members]).to(split[0][0].device),
+                           antisymmetric, executor)
+        per_head = _solve(torch.cat([q for q, _ in split]), torch.cat([k for _, k in split]), antisymmetric, executor)  # (n * H, ...)
+        solving.append((num_heads, members, per_head, total))
+    out: dict[str, QKSpectra] = {}
+    for num_heads, members, per_head, total in solving:
+        per_head, total = per_head(), None if total is None else total()
         if out_device is not None:
             per_head = _each_field(per_head, lambda t: t.to(out_device))
             total = None if total is None else _each_field(total, lambda t: t.to(out_device))

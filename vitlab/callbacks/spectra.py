@@ -6,7 +6,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from vitlab.callbacks.base import EpochCallback, shared_capture, submit_epoch_work
+from vitlab.callbacks.base import EpochCallback, qkv_worker, shared_capture, submit_epoch_work
 from vitlab.qkv.state import head_counts
 from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout
 from vitlab.outputs.tensorboard import epoch_end_step, figures_due, tensorboard_writer, write_layout_once
@@ -31,9 +31,10 @@ class QKSpectra(EpochCallback, pl.Callback):
         figures_every_n_epochs: Draw the figures every N-th epoch (and at fit start and the last epoch);
             ``None``: about 5 per run.
         device: Where the eigenproblems are solved. ``cpu`` (default): on the host, from the copy of the weights the
-            snapshot takes anyway; beside a GPU this runs on the Q/K/V worker thread, and the GPU is left to training
-            (cuSOLVER solves a batch of symmetric problems larger than 32 x 32 one matrix at a time: a ViT-B epoch
-            has 400+ of them). ``weights``: where the weights are (the GPU when training on one).
+            snapshot takes anyway, each problem on one core and as many at once as the run has torch threads
+            (:mod:`vitlab.solver_pool`); beside a GPU the Q/K/V worker hands them out, and the GPU is left to
+            training (cuSOLVER solves a batch of symmetric problems larger than 32 x 32 one matrix at a time: a ViT-B
+            epoch has 400+ of them). ``weights``: where the weights are (the GPU when training on one).
     """
 
     def __init__(self, every_n_epochs: int = 1, write_csv: bool = True, figures_every_n_epochs: int | None = None,
@@ -66,10 +67,11 @@ class QKSpectra(EpochCallback, pl.Callback):
         worker = figure_worker(trainer)
         figures = worker is not None and figures_due(trainer, epoch, self.figures_every_n_epochs)
         step, on_host = epoch_end_step(trainer) if epoch else 0, self.device == "cpu"
+        qkv = qkv_worker(trainer, pl_module) if on_host else None
 
         def report() -> None:  # (A's eigenvalues only for the figures' curves: the scalars and the table need none)
             spectra = block_spectra(capture.host() if on_host else capture.tensors, heads, out_device="cpu",
-                                    antisymmetric=figures)
+                                    antisymmetric=figures, executor=qkv and qkv.solvers)
             report_spectra(writer, spectra, step, table, epoch, figures, worker)
 
         submit_epoch_work(trainer, pl_module, report)

@@ -16,6 +16,7 @@ from vitlab.analysis import drift_tables
 from vitlab.analysis import block_spectra
 from vitlab.outputs.files import write_json
 from vitlab.probes import study_claims
+from vitlab.solver_pool import SolverPool
 from vitlab.study.runfolder import RunFolder
 
 HELP = """Report which claims of the Drotos poster, Philip et al. and the Attentionless article hold on a finished run: claims.md + claims.json.
@@ -131,7 +132,8 @@ def ablation_result(run: Path) -> tuple[str, list[str], float, int]:
 def evaluate(ref: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], heads: dict[str, int], ablations, permutations: int, seed: int) -> list[C.Claim]:
     """All claims of one weight pair (+ ablation results)."""
     rows, _ = drift_tables(ref, cur, list(heads))
-    spectra = block_spectra(cur, heads, antisymmetric=False)  # (the claims read scalars only)
+    with SolverPool() as solvers:  # (the claims read scalars only: no antisymmetric parts)
+        spectra = block_spectra(cur, heads, antisymmetric=False, executor=solvers)
     summed = {b: {k: float(getattr(s.summed, k)[0]) for k in ("positive_mass", "symmetry_score", "effective_rank")} for b, s in spectra.items()}
     head_mean = {b: float(s.positive_mass.float().mean()) for b, s in spectra.items()}
     spectral = [

@@ -16,6 +16,7 @@ from vitlab.probes.common import add_model_arguments
 from vitlab.probes.loading import load_model
 from vitlab.runs import newest_checkpoint, run_folder, run_label
 from vitlab.outputs.files import write_csv
+from vitlab.solver_pool import SolverPool
 
 HELP = """Compare the Q/K/V weights of two checkpoints (Drotos poster): per-row cosine distance, Euclidean, MSE, dot.
 
@@ -91,8 +92,10 @@ def run(ctx) -> None:
         raise ValueError(f"--reference and --finetuned differ in shape at {[(k, tuple(ref[k].shape), tuple(cur[k].shape)) for k in bad]}")
     summary = report_drift(ctx.writer, ref, cur, None, heads, step=1, table_path=ctx.out / "drift.csv", epoch=1)
     ctx.writer.add_custom_scalars({**drift_layout(), **spectra_layout()})
-    for step, state in ((0, ref), (1, cur)):
-        report_spectra(ctx.writer, block_spectra(state, heads), step, ctx.out / f"spectra_{'reference' if step == 0 else 'finetuned'}.csv")
+    with SolverPool() as solvers:
+        for step, state in ((0, ref), (1, cur)):
+            report_spectra(ctx.writer, block_spectra(state, heads, executor=solvers), step,
+                           ctx.out / f"spectra_{'reference' if step == 0 else 'finetuned'}.csv")
     rows = stage_table(summary)
     write_csv(ctx.out / "drift_summary.csv", rows)
     print_table(rows, ctx.args.reference, ctx.args.finetuned)

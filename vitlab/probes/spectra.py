@@ -9,6 +9,7 @@ from vitlab.qkv.state import head_counts, qkv_state
 from vitlab.qkv.spectra import block_spectra, report_spectra, spectra_layout, spectra_rows
 from vitlab.probes.activations import require_attention
 from vitlab.probes.common import add_common_arguments
+from vitlab.solver_pool import SolverPool
 
 HELP = """Spectra of each block's QK bilinear form W_Q W_K^T (Philip et al., Fig. 5), the same as the QKSpectra callback.
 
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ctx) -> None:
     require_attention(ctx.model, "spectra")
-    spectra = block_spectra(qkv_state(ctx.model), head_counts(ctx.model))
+    with SolverPool() as solvers:  # (each problem on one core, as many at once as torch has threads)
+        spectra = block_spectra(qkv_state(ctx.model), head_counts(ctx.model), executor=solvers)
     report_spectra(ctx.writer, spectra, 0, ctx.out / "spectra.csv")
     ctx.writer.add_custom_scalars(spectra_layout())
     print_summary(spectra_rows(spectra), ctx.loaded.source)

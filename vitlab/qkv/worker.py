@@ -19,6 +19,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from vitlab.solver_pool import SolverPool, one_thread
+
 
 class QKVWorker:
     """Runs jobs (callables without arguments) in submission order: at once (``background=False``) or on one daemon
@@ -27,7 +31,9 @@ class QKVWorker:
     ``submitted`` / ``done`` count the jobs handed in and finished (successfully or not). ``tables``: where the
     jobs write their large CSV tables: a :class:`vitlab.table_worker.TableWorker` (a child process, so that
     formatting them never holds the interpreter's lock beside the training thread) when in the background, else
-    None (written by the job itself, in the training thread: on the CPU that is where the cores are).
+    None (written by the job itself, in the training thread: on the CPU that is where the cores are). ``solvers``:
+    a :class:`vitlab.solver_pool.SolverPool` of torch's intra-op thread count (taken here, in the creating thread)
+    for the jobs' dense eigenproblems, started at the first job that asks for it.
     """
 
     def __init__(self, background: bool) -> None:
@@ -35,11 +41,19 @@ class QKVWorker:
 
         self.background = background
         self.tables = TableWorker() if background else None
+        self._solver_threads = torch.get_num_threads()
+        self._solvers: SolverPool | None = None
         self.submitted = self.done = 0
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+
+    @property
+    def solvers(self) -> SolverPool:
+        if self._solvers is None:
+            self._solvers = SolverPool(self._solver_threads)
+        return self._solvers
 
     def submit(self, job: Callable[[], Any]) -> None:
         """Run ``job`` now (inline) or after every job submitted before it (background)."""
@@ -74,8 +88,12 @@ class QKVWorker:
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
+        elif self._solvers is not None:  # (inline: the jobs are done; in the background the thread ends them)
+            self._solvers.shutdown()
+            self._solvers = None
 
     def _run(self) -> None:
+        one_thread()  # (a second thread's multithreaded torch operations slow the training thread's; see solver_pool)
         while (job := self._jobs.get()) is not None:
             try:
                 job()
@@ -87,6 +105,8 @@ class QKVWorker:
                     self._cond.notify_all()
         if self.tables is not None:
             self.tables.close()
+        if self._solvers is not None:
+            self._solvers.shutdown()
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
