@@ -8,7 +8,7 @@
 #    (py-spy) on PATH.
 # 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, the steps under
 #    torch.cuda.set_sync_debug_mode("error"), batches copied ahead on a stream of their own) into cudatests.txt, then
-#    `bench_gpu.py` (the default runs, `nocallbacks`, `copyahead`, `cudagraphs` and `compile`, as far as its time
+#    `bench_gpu.py` (the default runs, then `cudagraphs` and `compile` for both, and `nocallbacks`, as far as its time
 #    limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with
 #    their data, runs and py-spy files in a temp folder, not in OUT: the data are thousands of files, and a machine
@@ -19,7 +19,7 @@
 # Without a GPU each benchmark says so in one line (and the CUDA tests are skipped). Environment (defaults in
 # brackets): GPU_SESSION_SMOKE=1 runs the benchmarks with --smoke (tiny models on the CPU: checks this script);
 # GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [90]; BENCH_GPU_ARGS [--task vit swinunetr --variants nocallbacks
-# copyahead cudagraphs compile], BENCH_GPU_S [420]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
+# cudagraphs compile nocallbacks], BENCH_GPU_S [420]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
 set -u
 out=${1:-${OUT:-$(mktemp -d -t vitlab-gpu-session-XXXXXX)}}
 mkdir -p "$out"
@@ -34,7 +34,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 smoke=()
 [ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
-read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants nocallbacks copyahead cudagraphs compile}"
+read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants cudagraphs compile nocallbacks}"
 
 if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
     {
