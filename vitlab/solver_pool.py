@@ -3,15 +3,15 @@
 **One thread each.** torch keeps its intra-op thread count (OpenMP's and MKL's) per thread. Once any thread but
 the process's first has run a multithreaded torch operation, the first thread's multithreaded LAPACK calls were
 measured 4x slower for the rest of the process (a batch of twelve 768 x 768 symmetric eigenproblems: 0.31 s before,
-1.35 s after one 16-million-element ``exp`` in another thread, on 2 cores; matrix products kept their speed), and
+1.35 s after one 4-million-element ``exp`` in another thread, on 2 cores; matrix products kept their speed), and
 that thread's own were as slow. vitlab's background threads that run torch operations (the Q/K/V worker, the
 checkpoint writer and the solver pool) therefore call :func:`one_thread` first: their work runs on one core each,
 and no second team of threads exists.
 
 **The solver pool.** The Q/K/V spectra of a ViT-B epoch are 12 dense 768 x 768 head-summed problems and 144 small
 per-head ones (each two or three symmetric eigenproblems, float64). :class:`SolverPool` solves them one problem per
-core, as many at once as torch has threads: in the Q/K/V worker beside a GPU that took 0.69 s instead of 4.1 s
-on 2 cores, and 1.6x less than LAPACK's own threads on the training thread (``benchmarks/bench_spectra_threads.py``;
+core, as many at once as torch has threads: in the Q/K/V worker beside a GPU that took 0.72 s instead of 4.25 s
+on 2 cores, and 1.5x less than LAPACK's own threads on the training thread (``benchmarks/bench_spectra_threads.py``;
 ``docs/performance.md``). Each problem is solved the same way whatever the pool's size, so the numbers do not
 depend on the thread count.
 """
