@@ -7,7 +7,8 @@
 #    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
 #    (py-spy) on PATH.
 # 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, the steps under
-#    torch.cuda.set_sync_debug_mode("error"), batches copied ahead on a stream of their own) into cudatests.txt, then
+#    torch.cuda.set_sync_debug_mode("error"), batches copied ahead on a stream of their own, a fit replayed as CUDA
+#    graphs) into cudatests.txt, then
 #    `bench_gpu.py` (the default runs, then `cudagraphs` and `compile` for both, and `nocallbacks`, as far as its time
 #    limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with
@@ -18,8 +19,8 @@
 #
 # Without a GPU each benchmark says so in one line (and the CUDA tests are skipped). Environment (defaults in
 # brackets): GPU_SESSION_SMOKE=1 runs the benchmarks with --smoke (tiny models on the CPU: checks this script);
-# GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [90]; BENCH_GPU_ARGS [--task vit swinunetr --variants nocallbacks
-# cudagraphs compile nocallbacks], BENCH_GPU_S [420]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
+# GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [150]; BENCH_GPU_ARGS [--task vit swinunetr --variants cudagraphs
+# compile nocallbacks], BENCH_GPU_S [400]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
 set -u
 out=${1:-${OUT:-$(mktemp -d -t vitlab-gpu-session-XXXXXX)}}
 mkdir -p "$out"
@@ -38,15 +39,16 @@ read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants cud
 
 if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
     {
-        timeout "${TESTS_S:-90}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_checkpoint_writer.py \
-            tests/data/test_device_normalize.py tests/training/test_step_syncs.py tests/data/test_copy_ahead.py 2>&1 | tail -25
+        timeout "${TESTS_S:-150}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_checkpoint_writer.py \
+            tests/data/test_device_normalize.py tests/training/test_step_syncs.py tests/data/test_copy_ahead.py \
+            tests/training/test_compile.py 2>&1 | tail -25
         echo "gpu_session: CUDA tests exit status ${PIPESTATUS[0]}"
     } 2>&1 | tee "$out/cudatests.txt"
 fi
 {
     echo "gpu_session: $(date -u +%FT%TZ), $(nproc) cores; py-spy: $(command -v py-spy || echo none)"
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    timeout "${BENCH_GPU_S:-420}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" ${smoke[@]+"${smoke[@]}"}
+    timeout "${BENCH_GPU_S:-400}" "$python" benchmarks/bench_gpu.py "${bench_args[@]}" --out "$work/gpu" ${smoke[@]+"${smoke[@]}"}
     echo "gpu_session: bench_gpu.py exit status $?"
 } 2>&1 | tee "$out/bench_gpu.txt"
 if [ "${GPU_SESSION_LADDER:-0}" != 0 ]; then

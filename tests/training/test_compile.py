@@ -59,3 +59,24 @@ def test_adamw_is_fused_on_cuda_only():
         module = module.cuda()
         optimizer = module.configure_optimizers()["optimizer"]
         assert optimizer.defaults["fused"] and len(optimizer.param_groups) > 2  # per-group learning rates kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_on_cuda_a_fit_replayed_as_cuda_graphs_trains_and_snapshots_the_weights_it_trained(tiny_dataset, tmp_path):
+    """``model.compile: {mode: reduce-overhead}``: each compiled step replayed as CUDA graphs (whose outputs the next
+    replay overwrites); training, validation and the Q/K/V snapshots go on as without."""
+    from tests.helpers.runs import tiny_args
+    from vitlab.cli import fit
+    from vitlab.qkv.state import load_snapshot, qkv_state
+
+    extra = ["--model.compile", "{mode: reduce-overhead}", "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+             "--trainer.precision", "bf16-mixed"]
+    run = fit(tiny_args(tiny_dataset, tmp_path, epochs=2, extra=extra))
+    assert getattr(run.model.model, "_compiled_call_impl", None) is not None and run.trainer.global_step > 0
+    metrics = run.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss_epoch"]) and "val/acc" in metrics
+    snapshot, _ = load_snapshot(tmp_path / "tiny" / "version_0" / "qkv" / "epoch_002.safetensors")
+    trained = qkv_state(run.model.model)
+    assert snapshot.keys() == trained.keys()
+    for key, value in snapshot.items():  # (the weights after the last step, as the snapshot stores them)
+        assert torch.equal(value, trained[key].detach().to(value.dtype).cpu()), key
