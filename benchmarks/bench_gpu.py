@@ -46,7 +46,8 @@ What it runs (about 5 minutes on one H100 / H200):
    graphs: one launch where the host launched hundreds of kernels; the first epoch, left out, compiles). The
    variants run in the order given, each for ViT then SwinUNETR where it applies.
 
-It prints one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
+It prints a line per run as the run ends (with the whole-epoch ratio, over the epochs and each epoch after the
+first), then one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
 validation images; Q/K/V callbacks <= 1 % of a ViT epoch; loader wait <= 5 % of the step time), and writes it as
 JSON to ``--out``. Without a CUDA GPU it says so in one line and exits 0; without one of vitlab's dependencies it
@@ -601,9 +602,19 @@ def main() -> None:
     print(f"bench_gpu: results in {root / 'bench_gpu.json'}")
 
 
+def bare_epoch_s(run: dict, bare: dict, epoch: dict | None = None) -> float:
+    """The bare loop's seconds for an epoch's training images (``epoch``'s, else the run's mean) and its validation
+    images (forward only, where the bare loop measured that)."""
+    images = epoch["images"] if epoch is not None else run["images_per_epoch"]
+    val = run.get("val_images", 0) / bare["eval_ips"] if "eval_ips" in bare and run.get("val_s") else 0.0
+    return images / bare["train_ips"] + val
+
+
 def run_line(name: str, run: dict, bare: dict) -> str:
+    per_epoch = " / ".join(f"{bare_epoch_s(run, bare, e) / e['epoch_s']:.2f}" for e in run.get("per_epoch", [])[1:] if e.get("epoch_s"))
     return (f"{name:28s} steps {run['train_ips']:8.1f} img/s = {run['train_ips'] / bare['train_ips']:5.2f}x bare "
-            f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s; step {run['step_ms']:6.1f} ms, "
+            f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s = {bare_epoch_s(run, bare) / run['epoch_s']:.2f}x "
+            f"the bare loop's time for its images (epochs 2..: {per_epoch or '-'}); step {run['step_ms']:6.1f} ms, "
             f"loader wait {run['fetch_ms_per_step']:5.2f} ms/step ({run['fetch_ms_per_step'] / run['step_ms']:5.1%}); "
             f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
             f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch "
@@ -634,7 +645,7 @@ def report(results: dict, args) -> None:
             print(run_line(name, run, bare))
         if kind == "vit" and "eval_ips" in bare and "vit/default" in results:
             run = results["vit/default"]
-            bare_epoch = run["images_per_epoch"] / bare["train_ips"] + run["val_images"] / bare["eval_ips"]
+            bare_epoch = bare_epoch_s(run, bare)
             print(f"vit whole epoch: {run['epoch_s']:.2f} s against the bare loop's {bare_epoch:.2f} s for the same training and "
                   f"validation images = {bare_epoch / run['epoch_s']:.2f}x (target >= 0.8x)")
             if "qkv_done_after_s" in run:
