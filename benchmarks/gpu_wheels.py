@@ -72,18 +72,20 @@ def download(requirement: Requirement, dest: Path, python: str) -> Path:
     command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", python,
                "--implementation", "cp", *[arg for p in PLATFORMS for arg in ("--platform", p)], "-d", str(dest), spec]
     done = subprocess.run(command, capture_output=True, text=True)
+    built = None
     if done.returncode:  # a source distribution only: built here, carried if it is pure Python
         built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), spec],
                                capture_output=True, text=True)
-        new = set(dest.glob("*.whl")) - before
-        if built.returncode or not new or not all(w.name.endswith("-none-any.whl") for w in new):
-            raise SystemExit(f"gpu_wheels: no wheel of {spec} for CPython {python} on x86-64 Linux, and no pure-Python "
-                             f"one built from its source: {(done.stderr + built.stderr).strip()[-400:]}")
     new = set(dest.glob("*.whl")) - before
-    if new:
-        return new.pop()
     name = canonicalize_name(requirement.name)
-    return next(p for p in dest.glob("*.whl") if canonicalize_name(p.name.split("-")[0]) == name)
+    # (a wheel fetched or built before is not new: a second run into the same folder finds it by name)
+    wheel = new.pop() if new else next((p for p in dest.glob("*.whl") if canonicalize_name(p.name.split("-")[0]) == name), None)
+    if built is not None and (built.returncode or wheel is None or not wheel.name.endswith("-none-any.whl")):
+        raise SystemExit(f"gpu_wheels: no wheel of {spec} for CPython {python} on x86-64 Linux, and no pure-Python "
+                         f"one built from its source: {(done.stderr + built.stderr).strip()[-400:]}")
+    if wheel is None:
+        raise SystemExit(f"gpu_wheels: pip downloaded no wheel of {spec}: {done.stderr.strip()[-400:]}")
+    return wheel
 
 
 def wheel_requirements(wheel: Path, extras: set[str], environment: dict) -> list[Requirement]:
