@@ -85,6 +85,7 @@ def test_the_qkv_worker_sizes_its_pool_where_it_is_made_and_ends_it_with_its_thr
     worker.flush()
     pool, thread = worker._solvers, worker._thread
     worker.close()
+    worker.close()  # (a second close leaves the ending to the thread)
     thread.join(timeout=30)
     assert not thread.is_alive()
     with pytest.raises(RuntimeError):

@@ -43,6 +43,7 @@ class QKVWorker:
         self.tables = TableWorker() if background else None
         self._solver_threads = torch.get_num_threads()
         self._solvers: SolverPool | None = None
+        self._ending = False
         self.submitted = self.done = 0
         self._error: BaseException | None = None
         self._cond = threading.Condition()
@@ -83,12 +84,13 @@ class QKVWorker:
         self._raise_error()
 
     def close(self) -> None:
-        """Let the thread end once the jobs submitted so far are done, ending the table writer's child after them
-        (it never blocks the process's exit)."""
+        """Let the thread end once the jobs submitted so far are done, ending the table writer's child and the solver
+        pool after them (it never blocks the process's exit); without a thread, end the pool now."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
-        elif self._solvers is not None:  # (inline: the jobs are done; in the background the thread ends them)
+            self._ending = True  # (the thread ends the solver pool after the jobs)
+        elif not self._ending and self._solvers is not None:  # (no thread: the jobs are done)
             self._solvers.shutdown()
             self._solvers = None
 
@@ -105,8 +107,9 @@ class QKVWorker:
                     self._cond.notify_all()
         if self.tables is not None:
             self.tables.close()
-        if self._solvers is not None:
-            self._solvers.shutdown()
+        solvers = self._solvers
+        if solvers is not None:
+            solvers.shutdown()
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
