@@ -36,7 +36,8 @@ def test_pool_threads_run_on_one_thread_and_every_other_thread_keeps_its_count(t
         assert pool.threads == 3 and len(started) == 3  # (all started in the constructor)
         assert {pool.submit(torch.get_num_threads).result() for _ in range(12)} == {1}
         assert torch.get_num_threads() == 2 and _in_new_thread(torch.get_num_threads) == 2
-    assert SolverPool().threads == 2  # (by default the creating thread's count)
+    with SolverPool() as pool:
+        assert pool.threads == 2  # (by default the creating thread's count)
 
 
 def _random_state(seed: int):
