@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
                                    [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread loadernorm
-                                    copyahead cudagraphs]
+                                    cudagraphs]
                                    [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
                                              # (the Q/K/V work and checkpoints on their threads, as beside a GPU)
@@ -39,9 +39,7 @@ What it runs (about 5 minutes on one H100 / H200):
    ``model.compile: true``; ``nondeterministic`` SwinUNETR with ``trainer.deterministic: false`` beside the recipe's ``warn``; ``onethread`` the ViT run with
    ``runtime.threads: 1`` (the Q/K/V spectra's host work on one core, leaving the others to the loader);
    ``loadernorm`` the ViT run with its batches normalised by the loader workers, as before (beside a GPU they leave the
-   final Normalize to the device: a gray slice travels with one channel instead of three); ``copyahead`` the ViT run
-   with its batches copied to the GPU one batch ahead on a stream of their own (``RuntimeCallback(copy_ahead="on")``),
-   so that the copy overlaps the previous step instead of preceding the step in the training stream; ``cudagraphs``
+   final Normalize to the device: a gray slice travels with one channel instead of three); ``cudagraphs``
    both runs with ``model.compile: {mode: reduce-overhead}`` (the compiled forward and backward replayed as CUDA
    graphs: one launch where the host launched hundreds of kernels; the first epoch, left out, compiles). The
    variants run in the order given, each for ViT then SwinUNETR where it applies.
@@ -272,9 +270,6 @@ if os.environ.get("BENCH_BACKGROUND"):  # (--smoke on the CPU: the Q/K/V work an
 if os.environ.get("BENCH_NORMALIZE"):  # (the loadernorm variant: where the batches are normalised)
     _normalize_init = RuntimeCallback.__init__
     RuntimeCallback.__init__ = lambda self, *a, **kw: _normalize_init(self, *a, **{**kw, "normalize": os.environ["BENCH_NORMALIZE"]})
-if os.environ.get("BENCH_COPY_AHEAD"):  # (the copyahead variant: batches copied one batch ahead on a stream of their own)
-    _ahead_init = RuntimeCallback.__init__
-    RuntimeCallback.__init__ = lambda self, *a, **kw: _ahead_init(self, *a, **{**kw, "copy_ahead": "on"})
 timed(RuntimeCallback, "_settle", "settle", background)
 timed(BackgroundCheckpointIO, "_write", "write", background)
 
@@ -442,7 +437,7 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
 # ---------------------------------------------------------------------------------------------- vitlab runs
 # the tasks each variant runs for (the rest are about the ViT run's loader, callbacks or threads)
 VARIANT_TASKS = {"nondeterministic": ("swinunetr",), "compile": ("vit", "swinunetr"), "cudagraphs": ("vit", "swinunetr")}
-VARIANT_TASKS.update({v: ("vit",) for v in ("memdata", "nocallbacks", "gpuspectra", "onethread", "loadernorm", "copyahead")})
+VARIANT_TASKS.update({v: ("vit",) for v in ("memdata", "nocallbacks", "gpuspectra", "onethread", "loadernorm")})
 def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: dict, epochs: int, accelerator: str) -> list[str]:
     spec = size[kind]
     common = ["--trainer.max_epochs", str(epochs), "--trainer.accelerator", accelerator, "--trainer.devices", "1",
@@ -480,7 +475,7 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
 
 
 def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False,
-               normalize: str | None = None, copy_ahead: bool = False) -> dict | None:
+               normalize: str | None = None) -> dict | None:
     """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run.
     ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -493,8 +488,6 @@ def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = Fal
         env["BENCH_MEMDATA"] = "1"
     if normalize is not None:
         env["BENCH_NORMALIZE"] = normalize
-    if copy_ahead:
-        env["BENCH_COPY_AHEAD"] = "1"
     proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -546,7 +539,7 @@ def main() -> None:
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
     parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
                         choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread", "loadernorm",
-                                 "copyahead", "cudagraphs"],
+                                 "cudagraphs"],
                         help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")
@@ -587,8 +580,7 @@ def main() -> None:
             print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
-                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None,
-                         copy_ahead=variant == "copyahead")
+                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None)
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)

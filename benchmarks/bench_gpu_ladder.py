@@ -11,8 +11,6 @@ the edges only:
 - ``bare``: ``vitlab.models.build_model`` (ViT-B/16, drop path 0.1), one AdamW group with fused kernels, bf16
   autocast, cross-entropy, batches already on the GPU (``bench_gpu.py``'s bare loop);
 - ``bare + host batches``: the batch copied from pinned host memory each step (``non_blocking``);
-- ``bare + host batches copied ahead``: the same batches copied one batch ahead on a stream of their own
-  (:class:`vitlab.data.sampling.DeviceAhead`, ``RuntimeCallback(copy_ahead="on")``): the copy beside the step;
 - ``bare + groups``: vitlab's 28 parameter groups (layer decay 0.75, no decay on norms / biases) and the
   warm-up-cosine ``LambdaLR`` stepped every step;
 - ``lightning, plain module``: a minimal ``LightningModule`` of the same model and single group under a
@@ -88,7 +86,7 @@ def batches(size: dict, device: str, count: int = 4, pinned: bool = False):
     return out
 
 
-def bare(size: dict, device: str, steps: int, host_batches: bool = False, groups: bool = False, ahead: bool = False) -> dict:
+def bare(size: dict, device: str, steps: int, host_batches: bool = False, groups: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -107,17 +105,10 @@ def bare(size: dict, device: str, steps: int, host_batches: bool = False, groups
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(10, 10_000, 0.01)) if groups else None
     data = batches(size, device, pinned=host_batches)
     bf16 = size["precision"].startswith("bf16")
-    copied = None
-    if ahead:  # the host batches copied one batch ahead on a stream of their own (vitlab's DeviceAhead)
-        import itertools
-
-        from vitlab.data.sampling import DeviceAhead
-
-        copied = DeviceAhead(itertools.cycle(data), device)
 
     def step(i: int) -> None:
-        x, y = data[i % len(data)] if copied is None else next(copied)
-        if host_batches and copied is None:
+        x, y = data[i % len(data)]
+        if host_batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(model(x), y, label_smoothing=MODULE_ARGS["label_smoothing"] if groups else 0.0)
@@ -494,7 +485,6 @@ def main() -> None:
     rungs = [
         ("bare", lambda: bare(size, device, steps)),
         ("bare + host batches", lambda: bare(size, device, steps, host_batches=True)),
-        ("bare + host batches copied ahead", lambda: bare(size, device, steps, host_batches=True, ahead=True)),
         ("bare + groups", lambda: bare(size, device, steps, groups=True)),
         ("lightning, plain module", lambda: lightning(size, device, steps, "plain", extras=False)),
         ("lightning, vitlab module", lambda: lightning(size, device, steps, "vitlab", extras=False)),

@@ -7,8 +7,7 @@
 #    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
 #    (py-spy) on PATH.
 # 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, the steps under
-#    torch.cuda.set_sync_debug_mode("error"), batches copied ahead on a stream of their own, a fit replayed as CUDA
-#    graphs) into cudatests.txt, then
+#    torch.cuda.set_sync_debug_mode("error"), a fit replayed as CUDA graphs) into cudatests.txt, then
 #    `bench_gpu.py` (the default runs, then `cudagraphs` and `compile` for both, and `nocallbacks`, as far as its time
 #    limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with
@@ -40,7 +39,7 @@ read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants cud
 if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
     {
         timeout "${TESTS_S:-150}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_checkpoint_writer.py \
-            tests/data/test_device_normalize.py tests/training/test_step_syncs.py tests/data/test_copy_ahead.py \
+            tests/data/test_device_normalize.py tests/training/test_step_syncs.py \
             tests/training/test_compile.py 2>&1 | tail -25
         echo "gpu_session: CUDA tests exit status ${PIPESTATUS[0]}"
     } 2>&1 | tee "$out/cudatests.txt"

@@ -82,7 +82,7 @@ def test_a_fit_with_the_work_on_a_thread_writes_what_the_inline_fit_writes(tiny_
     fit(tiny_args(tiny_dataset, tmp_path / "inline", epochs=2))
     original = QKVWorker.__init__
     monkeypatch.setattr(QKVWorker, "__init__", lambda self, background: original(self, True))
-    monkeypatch.setattr(RuntimeCallback.__init__, "__defaults__", ("auto", 0, "background", "device", "off"))  # (as beside a GPU)
+    monkeypatch.setattr(RuntimeCallback.__init__, "__defaults__", ("auto", 0, "background", "device"))  # (as beside a GPU)
     handed = [0]  # tensors in the checkpoints handed to the writer
     save = BackgroundCheckpointIO.save_checkpoint
 

@@ -53,34 +53,22 @@ class RuntimeCallback(pl.Callback):
     and the training process pins and copies, the images before it (a gray image for a model of three channels: a
     third of the bytes), and the data module normalises each batch where it arrives, to the same values.
 
-    **Batches copied ahead (``copy_ahead``).** With ``copy_ahead: on`` and a run on a GPU, the data module's loaders
-    copy each batch to the device one batch ahead on a CUDA stream of their own
-    (:attr:`vitlab.data.image_data.ImageData.copy_ahead_device`): the copy overlaps the previous step's kernels
-    instead of preceding the step's in the training stream (a 12 MiB ViT-B batch on a host link of a few GB/s is
-    milliseconds a step). Off by default until it is measured on a GPU (``benchmarks/bench_gpu.py --variants
-    copyahead``).
-
     Args:
         figures: ``auto`` (a figure worker process), ``inline`` (in the training process) or ``off``.
         workers: The run's loader worker processes (they count among the busy cores).
         checkpoints: ``auto`` (written in the background on a GPU, at once on the CPU), ``background`` or ``inline``.
         normalize: ``auto`` (on the device beside a GPU, else in the loaders), ``device`` or ``loader``.
-        copy_ahead: ``on`` (batches copied one batch ahead on a stream of their own, beside a GPU) or ``off``.
     """
 
     owns_figures = True
 
-    def __init__(self, figures: str = "auto", workers: int = 0, checkpoints: str = "auto", normalize: str = "auto",
-                 copy_ahead: str = "off") -> None:
+    def __init__(self, figures: str = "auto", workers: int = 0, checkpoints: str = "auto", normalize: str = "auto") -> None:
         if figures not in FIGURE_MODES:
             raise ValueError(f"RuntimeCallback.figures must be one of {', '.join(FIGURE_MODES)}, got {figures!r}")
         if checkpoints not in ("auto", "background", "inline"):
             raise ValueError(f"RuntimeCallback.checkpoints must be one of auto, background, inline, got {checkpoints!r}")
         if normalize not in ("auto", "device", "loader"):
             raise ValueError(f"RuntimeCallback.normalize must be one of auto, device, loader, got {normalize!r}")
-        if copy_ahead not in ("on", "off"):
-            raise ValueError(f"RuntimeCallback.copy_ahead must be on or off, got {copy_ahead!r}")
-        self.copy_ahead = copy_ahead
         self.checkpoints = checkpoints
         self.normalize = normalize
         self.figures = figures
@@ -99,7 +87,6 @@ class RuntimeCallback(pl.Callback):
             strategy = getattr(trainer, "strategy", None)
             on_gpu = strategy is not None and strategy.root_device.type == "cuda"
             datamodule.normalize_on_device = self.normalize == "device" or (self.normalize == "auto" and on_gpu)
-            datamodule.copy_ahead_device = strategy.root_device if self.copy_ahead == "on" and on_gpu else None
         if stage == "fit":
             self._write_checkpoints_in_background(trainer)
         if stage != "fit" or not trainer.is_global_zero:

@@ -22,7 +22,7 @@ from vitlab.data.layouts import (SPLITS, UNLABELLED, Sample, check_files, check_
                                  training_only, warn_unlabelled_overlap)
 from vitlab.data.readers.image import ImageReader
 from vitlab.data.readers.options import ReadOptions
-from vitlab.data.sampling import AheadLoader, EpochLoader, EpochSampler, KeyedAugmentation
+from vitlab.data.sampling import EpochLoader, EpochSampler, KeyedAugmentation
 from vitlab.data.synthetic import embedded as embedded_sets  # (looked up at call time: tests replace them)
 from vitlab.data.synthetic.embedded import EmbeddedOptions, embedded_options
 from vitlab.data.transforms import (deferred_normalize, eval_transform, normalization_stats, normalize_images, seed_worker,
@@ -338,12 +338,6 @@ class ImageData:
     _device_normalization = None  # (means, reciprocal stds) as float32 arrays, once a loader leaves them to the batch
     _normalization_on: dict = {}  # device -> the same as tensors there
 
-    copy_ahead_device = None
-    """Where the loaders made from now on copy their batches one batch ahead, on a CUDA stream of their own
-    (:class:`~vitlab.data.sampling.AheadLoader`); None (the default): nowhere, the training loop moves each batch
-    when it takes it. :class:`vitlab.callbacks.RuntimeCallback` sets it before the loaders are made
-    (``copy_ahead``). Never a hyperparameter."""
-
     @property
     def normalize_on_device(self) -> bool:
         """Where the loaders made from now on normalise their batches: False, in their pipelines (in the loader
@@ -396,10 +390,8 @@ class ImageData:
         single_opencv_thread()  # (here, before any worker forks)
         # validation / test volumes of their own sizes: one per batch (sliding-window inference)
         whole = not train and self.volume_options is not None and self.volume_options.own_size
-        return (EpochLoader if train else AheadLoader)(
+        return (EpochLoader if train else DataLoader)(
             dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-            # (whole volumes are not copied ahead: two more on the device can be gigabytes, beside seconds of inference)
-            device=None if whole else self.copy_ahead_device,
             pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
             # worker seeds from a generator of the loader's own, not torch's global stream: 0 workers (an iterator
             # per epoch) and persistent workers (one) then leave the same draws for the model's dropout / drop path

@@ -9,10 +9,6 @@ run resumed at epoch k shuffles and augments epoch k as an uninterrupted run doe
 Because an epoch's batches are a function of its number, the next epoch's can be made before the training loop
 asks for them: :class:`EpochLoader` lets its persistent workers start on epoch k + 1 as soon as epoch k's last
 training batch is taken, while the training process validates, runs the epoch-end callbacks and checkpoints.
-
-Beside a GPU a loader can also copy each batch to the device one batch ahead, on a CUDA stream of its own
-(:class:`AheadLoader`, :class:`DeviceAhead`), so that the copy overlaps the previous step's kernels instead of
-running before the step's, in the training stream.
 """
 
 from __future__ import annotations
@@ -114,90 +110,7 @@ class KeyedAugmentation(Dataset):
         return self.dataset[index]
 
 
-class DeviceAhead:
-    """The batches of a loader's iterator, each copied to ``device`` one batch ahead on a CUDA stream of its own.
-
-    Without it a batch in pinned host memory is copied to the GPU when the training loop moves it, in the training
-    stream: the step's kernels wait for the copy, and the copy engine idles during the step. Here, when batch k is
-    handed over, batch k + 1 is taken from the loader and its copy is queued on a side stream at once, so it runs
-    while the kernels queued before it (the previous steps) run. Handing a batch over makes the consumer's current
-    stream wait for that batch's copy (an event: the host does not wait) and marks the batch's tensors as used by
-    that stream (``record_stream``), so that their memory, allocated on the side stream, is not reused while the
-    consumer's kernels may still read them. The values are the loader's, bit for bit: a copy.
-
-    The batch is moved as Lightning moves one (``move_data_to_device``: tensors in tuples, lists, dicts, dataclasses);
-    the training loop's own move then finds it on the device and does nothing. On a CPU device the batches are handed
-    over as the loader gives them (moved, without streams).
-
-    Args:
-        batches: The loader's iterator (batches in pinned memory, for a copy that does not wait for the host).
-        device: The device the training loop moves batches to.
-    """
-
-    def __init__(self, batches: Iterator, device: torch.device | str) -> None:
-        self.batches = batches
-        self.device = torch.device(device)
-        self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._next = self._copy_next()
-
-    def __iter__(self) -> DeviceAhead:
-        return self
-
-    def __next__(self):
-        if self._next is None:
-            raise StopIteration
-        batch, copied = self._next
-        if self._cuda:
-            from lightning_fabric.utilities.apply_func import apply_to_collection
-
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(copied)
-            apply_to_collection(batch, torch.Tensor, lambda t: t.record_stream(stream) if t.is_cuda else None)
-        self._next = self._copy_next()  # (the next copy queued now: it runs beside the kernels queued before it)
-        return batch
-
-    def _copy_next(self):
-        try:
-            host = next(self.batches)
-        except StopIteration:
-            return None
-        from lightning_fabric.utilities.apply_func import move_data_to_device
-
-        if not self._cuda:
-            return move_data_to_device(host, self.device), None
-        with torch.cuda.stream(self._stream):
-            batch = move_data_to_device(host, self.device)  # (non-blocking copies from pinned memory)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-        return batch, copied
-
-
-class AheadLoader(DataLoader):
-    """A ``DataLoader`` that hands its batches over already on ``device``, copied one batch ahead on a stream of
-    their own (:class:`DeviceAhead`); ``device=None`` (the default): a ``DataLoader``. The device is an argument of
-    the constructor, so that a loader Lightning makes again from its arguments (a sampler replaced under DDP)
-    keeps it.
-
-    Args:
-        *args, **kwargs: Those of ``DataLoader``.
-        device: Where the batches are copied (a CUDA device: beside a GPU); None: nowhere.
-    """
-
-    def __init__(self, *args, device: torch.device | str | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.device = None if device is None else torch.device(device)
-
-    def _batches(self):
-        """The host iterator (``DataLoader``'s)."""
-        return super().__iter__()
-
-    def __iter__(self):
-        batches = self._batches()
-        return batches if self.device is None else DeviceAhead(batches, self.device)
-
-
-class EpochLoader(AheadLoader):
+class EpochLoader(DataLoader):
     """A ``DataLoader`` whose persistent workers can begin an epoch's batches before the training loop asks for them.
 
     With persistent workers, a ``DataLoader`` starts an epoch's batches when it is iterated, at the start of the
@@ -239,9 +152,9 @@ class EpochLoader(AheadLoader):
         self._ahead = epoch
         return True
 
-    def _batches(self):
+    def __iter__(self):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and self._iterator is not None and all(
                 getattr(s, "epoch", None) == ahead for s in self._samplers()):
             return self._iterator  # already running on this epoch
-        return super()._batches()
+        return super().__iter__()
