@@ -15,7 +15,10 @@ What it runs (about 5 minutes on one H100 / H200):
 2. **Bare loops** in this process: the same model (``vitlab.models.build_model``, so the same architecture and
    drop path), the same batch, bf16 autocast, AdamW with fused kernels, cross-entropy (MONAI's ``DiceCELoss`` for
    SwinUNETR), random tensors already on the GPU; nothing else. Training images/s and (ViT) the forward-only
-   images/s a validation pass would reach.
+   images/s a validation pass would reach. SwinUNETR's bare loop runs twice: with the shifted-window masks that
+   ``build_model`` keeps (the model vitlab trains: the ratio is the framework's cost) and with MONAI's own
+   ``compute_mask``, which makes them again at every forward (a plain MONAI loop: the ratio is what a user gains or
+   loses against it).
 3. **vitlab runs**, each ``python train.py``'s fit in a fresh process (``vitlab.cli.fit``): ViT-B/16 at 224 with
    batch 64 from ``configs/medical_vit.yaml`` (random init, bf16-mixed), SwinUNETR feature size 48 on random
    96^3 patches with batch 2 from ``configs/medical_swinunetr.yaml`` (bf16-mixed), ``runtime: auto``, for
@@ -397,6 +400,7 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
         y = torch.randint(0, 2, (spec["batch"], 1, p, p, p), device=device)
         loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    out = {}
 
     def sync() -> None:
         if device == "cuda":
@@ -409,14 +413,26 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
         loss.backward()
         opt.step()
 
-    for _ in range(max(3, steps // 4)):
-        step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    out = {"train_ips": steps * len(x) / (time.perf_counter() - start)}
+    def train_ips() -> float:
+        for _ in range(max(3, steps // 4)):
+            step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        return steps * len(x) / (time.perf_counter() - start)
+
+    if kind == "swinunetr":  # a plain MONAI loop first: its masks made at every forward
+        from monai.networks.nets import swin_unetr
+
+        kept = swin_unetr.compute_mask
+        swin_unetr.compute_mask = kept.__wrapped__
+        try:
+            out["monai_masks_train_ips"] = train_ips()
+        finally:
+            swin_unetr.compute_mask = kept
+    out["train_ips"] = train_ips()
     if kind == "vit":
         model.eval()
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
@@ -577,7 +593,9 @@ def main() -> None:
             manifests[kind] = make_data(kind, root / f"data-{kind}", count, size, cores)
             print(f"  {kind}: data made in {time.perf_counter() - start:.0f} s ({manifests[kind]})", flush=True)
             results[f"{kind}/bare"] = bare = bare_loop(kind, size, device, size["bare_steps"])
-            print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s", flush=True)
+            print(f"  {kind}: bare loop {bare['train_ips']:.1f} images/s"
+                  + (f" (with MONAI's masks made at every forward {bare['monai_masks_train_ips']:.1f})"
+                     if "monai_masks_train_ips" in bare else ""), flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
                          memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None)
@@ -605,7 +623,10 @@ def bare_epoch_s(run: dict, bare: dict, epoch: dict | None = None) -> float:
 def run_line(name: str, run: dict, bare: dict) -> str:
     per_epoch = " / ".join(f"{bare_epoch_s(run, bare, e) / e['epoch_s']:.2f}" for e in run.get("per_epoch", [])[1:] if e.get("epoch_s"))
     return (f"{name:28s} steps {run['train_ips']:8.1f} img/s = {run['train_ips'] / bare['train_ips']:5.2f}x bare "
-            f"({bare['train_ips']:.1f}); whole epoch {run['epoch_ips']:8.1f} img/s = {bare_epoch_s(run, bare) / run['epoch_s']:.2f}x "
+            f"({bare['train_ips']:.1f})"
+            + (f", {run['train_ips'] / bare['monai_masks_train_ips']:5.2f}x the bare loop with MONAI's own masks "
+               f"({bare['monai_masks_train_ips']:.1f})" if "monai_masks_train_ips" in bare else "")
+            + f"; whole epoch {run['epoch_ips']:8.1f} img/s = {bare_epoch_s(run, bare) / run['epoch_s']:.2f}x "
             f"the bare loop's time for its images (epochs 2..: {per_epoch or '-'}); step {run['step_ms']:6.1f} ms, "
             f"loader wait {run['fetch_ms_per_step']:5.2f} ms/step ({run['fetch_ms_per_step'] / run['step_ms']:5.1%}); "
             f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "

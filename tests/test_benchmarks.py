@@ -70,6 +70,8 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
         assert figures["train_ips"] > 0 and figures["epoch_ips"] > 0 and figures["step_ms"] > 0, run
     for task in ("vit", "swinunetr"):
         assert results[f"{task}/bare"]["train_ips"] > 0
+    # SwinUNETR's bare loop also as a plain MONAI loop, its masks made at every forward, and the ratio to it
+    assert results["swinunetr/bare"]["monai_masks_train_ips"] > 0 and "the bare loop with MONAI's own masks" in report
     # the default ViT run's 5 profiled steps and the profiler's own time are left out of its epoch's figures
     assert results["vit/default"]["profiled_s"] > 0 and results["vit/memdata"]["profiled_s"] == 0
     # the smoke runs put the Q/K/V work and the checkpoints on their threads, as beside a GPU: both are timed there,

@@ -301,6 +301,84 @@ def test_recording_restores_flags_and_hooks_and_matches_the_flash_path():
     assert vit.blocks[0].attn.att_mat.numel() == 0  # save_attn was off: no probabilities left behind
 
 
+# ---------------------------------------------------------------------------------------------- window masks
+
+
+@pytest.mark.parametrize("padded, window, shift", [
+    ((8, 8, 8), (4, 4, 4), (2, 2, 2)),
+    ((6, 8, 8), (3, 4, 4), (1, 2, 0)),  # shifted along some axes only
+    ((4, 4, 4), (4, 4, 4), (0, 0, 0)),  # one window, no shift (MONAI still builds the mask)
+    ((8, 12), (4, 4), (2, 2)),  # 2-D
+])
+def test_kept_window_masks_are_monai_masks_and_made_once(padded, window, shift):
+    from monai.networks.nets import swin_unetr
+
+    from vitlab.models.monai_build import cached_window_masks
+
+    monai_mask = swin_unetr.compute_mask
+    monai_mask = getattr(monai_mask, "__wrapped__", monai_mask)
+    masks = cached_window_masks(monai_mask)
+    first = masks(list(padded), window, shift, torch.device("cpu"))
+    assert torch.equal(first, monai_mask(list(padded), window, shift, torch.device("cpu")))
+    assert torch.equal(first, _shift_mask(padded, window, shift))  # the hand-written oracle
+    assert masks(tuple(padded), list(window), list(shift), "cpu") is first  # one mask a geometry, however spelled
+    assert len(masks.masks) == 1
+    with torch.inference_mode():  # an inference tensor cannot serve a training forward: made apart
+        inference = masks(list(padded), window, shift, torch.device("cpu"))
+    assert inference is not first and torch.equal(inference, first) and len(masks.masks) == 2
+
+
+def test_kept_window_masks_stay_within_their_budget_and_are_not_kept_while_compiling(monkeypatch):
+    from monai.networks.nets import swin_unetr
+
+    from vitlab.models.monai_build import cached_window_masks
+
+    monai_mask = getattr(swin_unetr.compute_mask, "__wrapped__", swin_unetr.compute_mask)
+    one = monai_mask([12, 8, 8], (4, 4, 4), (2, 2, 2), "cpu")  # (12, 64, 64)
+    size = one.numel() * one.element_size()
+    masks = cached_window_masks(monai_mask, budget=2 * size)
+    for grid in ([12, 8, 8], [8, 8, 12], [8, 12, 8]):  # three masks of the same size
+        masks(grid, (4, 4, 4), (2, 2, 2), "cpu")
+    assert [key[0] for key in masks.masks] == [(8, 8, 12), (8, 12, 8)]  # the least recently used went
+    masks([8, 8, 12], (4, 4, 4), (2, 2, 2), "cpu")  # used again: now the most recent
+    assert [key[0] for key in masks.masks] == [(8, 12, 8), (8, 8, 12)]
+    large = masks([16, 16, 16], (4, 4, 4), (2, 2, 2), "cpu")  # (64, 64, 64): over the budget, made every time
+    assert torch.equal(large, monai_mask([16, 16, 16], (4, 4, 4), (2, 2, 2), "cpu"))
+    assert (16, 16, 16) not in [key[0] for key in masks.masks] and len(masks.masks) == 2
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # while torch.compile traces: MONAI's call
+    traced = masks([8, 8, 12], (4, 4, 4), (2, 2, 2), "cpu")
+    assert traced is not masks.masks[next(reversed(masks.masks))] and torch.equal(traced, masks.masks[next(reversed(masks.masks))])
+
+
+@pytest.mark.parametrize("config", list(SWIN_CONFIGS))
+def test_swin_unetr_with_kept_masks_trains_bit_for_bit_as_with_monai_masks(config, monkeypatch):
+    from monai.networks.nets import swin_unetr
+
+    swin = _swin(config, seed=3).train()
+    assert hasattr(swin_unetr.compute_mask, "masks")  # building it installed the kept masks
+    x = _volume(swin, seed=4)
+    torch.use_deterministic_algorithms(True)  # (the relative-position table's gradient is accumulated by an index_put)
+    try:
+        def step(compute_mask):
+            monkeypatch.setattr(swin_unetr, "compute_mask", compute_mask)
+            swin.zero_grad(set_to_none=True)
+            torch.manual_seed(5)
+            out = swin(x)
+            out.square().mean().backward()
+            return out.detach(), {name: p.grad.clone() for name, p in swin.named_parameters()}
+
+        kept = swin_unetr.compute_mask
+        plain, plain_grads = step(kept.__wrapped__)
+        kept.masks.clear()
+        for _ in range(2):  # the masks made, then handed out again
+            out, grads = step(kept)
+            assert torch.equal(out, plain)
+            assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
+        assert kept.masks
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 # ----------------------------------------------------------------------------------------------- ablation
 
 
