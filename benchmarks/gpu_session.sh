@@ -6,8 +6,8 @@
 # 1. Installs the wheels in .whl/ when there are any (benchmarks/gpu_wheels.py fetches them where an index is
 #    reachable: a GPU machine's Python often lacks vitlab's dependencies) into /tmp/site, and puts their programs
 #    (py-spy) on PATH.
-# 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, the steps under
-#    torch.cuda.set_sync_debug_mode("error"), a fit replayed as CUDA graphs) into cudatests.txt, then
+# 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, classification's and
+#    SwinUNETR's steps under torch.cuda.set_sync_debug_mode("error"), a fit replayed as CUDA graphs) into cudatests.txt, then
 #    `bench_gpu.py` (the default runs, then `cudagraphs` and `compile` for both, and `nocallbacks`, as far as its time
 #    limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with

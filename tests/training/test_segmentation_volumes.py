@@ -70,8 +70,44 @@ def test_sliding_window_validation_equals_a_direct_forward_when_the_volume_fits_
         bigger = torch.randn(1, 1, 64, 32, 32)  # two windows along i: the same as MONAI's own loop
         from monai.inferers import sliding_window_inference
 
-        expected = sliding_window_inference(bigger, (32, 32, 32), 4, module.model, overlap=0.25, mode="gaussian")
-        torch.testing.assert_close(module.predict_logits(bigger), expected)
+        from vitlab.models.inference import gaussian_weights
+
+        gaussian_weights.cache_clear()
+        for shape in ((1, 1, 64, 32, 32), (1, 1, 70, 40, 20)):  # two windows along i; overlapping ones and a padded side
+            bigger = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+            expected = sliding_window_inference(bigger, (32, 32, 32), 4, module.model, overlap=0.25, mode="gaussian")
+            assert torch.equal(module.predict_logits(bigger), expected)  # MONAI's own loop and weights, bit for bit
+        # the blending weights were made once, not at every call (making them reads the device)
+        assert gaussian_weights.cache_info().misses == 1 and gaussian_weights.cache_info().hits == 1
+
+
+def test_validation_metrics_kept_on_the_device_equal_the_metrics_fed_batch_by_batch():
+    """Predictions and label maps held until the epoch's metrics are computed (volumes of their own sizes, handed over
+    one by one, and held ones handed over early once they grow large) give the metrics per-batch updates give."""
+    from torchmetrics.classification import MulticlassJaccardIndex
+    from torchmetrics.segmentation import DiceScore
+
+    from vitlab.training.segmentation import SegmentationModule
+
+    module = SegmentationModule(num_classes=2, model_name="monai:swin_unetr",
+                                model_kwargs=dict(img_size=32, feature_size=12, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
+                                                  window_size=4, norm_name="batch"))
+    dice = DiceScore(3, include_background=False, average="none", aggregation_level="global", input_format="index")
+    iou = MulticlassJaccardIndex(3, average="none")
+    generator = torch.Generator().manual_seed(3)
+    module.outputs["val"].flush_elements = 3000  # (the second and third batches overflow it: what is held goes early)
+    for shape in ((1, 12, 10, 8), (2, 9, 9, 9), (1, 16, 12, 10), (1, 5, 7, 6)):
+        logits, mask = torch.randn(shape[0], 3, *shape[1:], generator=generator), torch.randint(0, 3, shape, generator=generator)
+        module.update_metrics("val", logits, mask)
+        dice.update(logits.argmax(dim=1), mask)
+        iou.update(logits.argmax(dim=1), mask)
+    assert len(module.outputs["val"]) == 1  # the last volume still held
+    values = module.compute_metrics("val")
+    expected_dice, expected_iou = dice.compute(), iou.compute()[1:]
+    assert values["val/dice"] == float(expected_dice.mean()) and values["val/iou"] == float(expected_iou.mean())
+    for index, name in enumerate(module.class_names):
+        assert values[f"val/dice_{name}"] == float(expected_dice[index]) and values[f"val/iou_{name}"] == float(expected_iou[index])
+    assert len(module.outputs["val"]) == 0  # all handed over
 
 
 @pytest.mark.slow

@@ -154,14 +154,42 @@ def test_classification_steps_make_no_synchronisation_of_their_own(tiny_dataset,
 
 
 @pytest.mark.slow
-def test_segmentation_training_steps_make_no_synchronisation_of_their_own(tmp_path, monkeypatch):
+def test_segmentation_training_and_validation_steps_make_no_synchronisation_of_their_own(tmp_path, monkeypatch):
+    """2-D segmentation: the loss, the Dice and IoU kept on the device for the epoch, the first batch's figure kept there
+    until it is drawn."""
     from tests.helpers.runs import dense_args
 
     monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
-    args = _first(dense_args("segmentation", tmp_path / "runs", epochs=1, extra=["--trainer.limit_val_batches", "0"]), COUNTER)
+    args = _first(dense_args("segmentation", tmp_path / "runs", epochs=1), COUNTER)
     counter = _counter(fit(args))
     assert counter.steps >= 2
     assert counter.calls == []
+
+
+def _volume_args(tmp_path: Path, monkeypatch, extra: tuple[str, ...] = ()) -> list[str]:
+    """A tiny SwinUNETR trained on random 32^3 patches and validated on whole volumes by sliding windows."""
+    from tests.helpers.volumes import volume_fit_args
+    from vitlab.data.synthetic import generate_volumes
+
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    manifest = generate_volumes(tmp_path / "v", patients=4, size=32, slices=8, seed=2, difficulty=0.0)
+    return volume_fit_args(manifest, tmp_path / "runs", epochs=1, extra=[
+        "--data.volume_size", "null", "--data.patch_size", "[32, 32, 32]", "--data.patch_foreground", "0.5", *extra])
+
+
+@pytest.mark.slow
+def test_swin_unetr_volume_steps_make_no_synchronisation_of_their_own(tmp_path, monkeypatch):
+    """3-D segmentation: SwinUNETR's soft Dice and weighted cross-entropy, sliding-window validation with its blending
+    weights made once, the Dice and IoU kept on the device for the epoch."""
+    counter = _counter(fit(_first(_volume_args(tmp_path, monkeypatch), COUNTER)))
+    assert counter.steps >= 3  # (two training batches, validation volumes)
+    assert counter.calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swin_unetr_volume_steps_on_cuda_run_under_sync_debug_error(tmp_path, monkeypatch):
+    args = _volume_args(tmp_path, monkeypatch, ("--trainer.accelerator", "gpu"))
+    assert _counter(fit(_first(args, COUNTER, cuda_error=True))).steps >= 3
 
 
 @pytest.mark.slow

@@ -25,11 +25,14 @@ class EpochOutputs:
         consume: Called with the concatenated tensors (e.g. ``lambda probs, labels: metrics.update(probs, labels)``)
             when :meth:`flush` runs, and early once more than ``flush_elements`` elements are held.
         flush_elements: See ``consume``.
+        concatenate: False: ``consume`` is called once per step's tensors, in order, when they are handed over (steps
+            whose tensors differ in shape beyond dim 0: whole volumes of their own sizes).
     """
 
-    def __init__(self, consume: Callable[..., None], flush_elements: int = FLUSH_ELEMENTS) -> None:
+    def __init__(self, consume: Callable[..., None], flush_elements: int = FLUSH_ELEMENTS, concatenate: bool = True) -> None:
         self.consume = consume
         self.flush_elements = flush_elements
+        self.concatenate = concatenate
         self._parts: list[tuple[torch.Tensor, ...]] = []
         self._elements = 0
 
@@ -43,8 +46,11 @@ class EpochOutputs:
     def flush(self) -> None:
         """Hand everything held to ``consume`` (nothing when empty) and forget it."""
         parts, self._parts, self._elements = self._parts, [], 0
-        if parts:
+        if parts and self.concatenate:
             self.consume(*(torch.cat(column) for column in zip(*parts)))
+        elif parts:
+            for part in parts:
+                self.consume(*part)
 
     def clear(self) -> None:
         """Forget what is held without handing it over (e.g. a sanity check's outputs)."""

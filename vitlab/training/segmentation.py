@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torchmetrics.classification import MulticlassJaccardIndex
 from torchmetrics.segmentation import DiceScore
 
 from vitlab.training.base import TaskModule
+from vitlab.training.outputs import EpochOutputs
 
 
 def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, eps: float = 1.0) -> torch.Tensor:
@@ -94,6 +96,10 @@ class SegmentationModule(TaskModule):
             setattr(self, f"{stage}_dice", DiceScore(k, include_background=False, average="none",
                                                      aggregation_level="global", input_format="index"))
             setattr(self, f"{stage}_iou", MulticlassJaccardIndex(k, average="none"))
+        # each step's prediction and label map stay on the device until the epoch's metrics are computed (the metrics'
+        # updates wait for the GPU: see vitlab.training.outputs); volumes of their own sizes are handed over one by one
+        self.outputs = {stage: EpochOutputs(functools.partial(self._update_now, stage), concatenate=False)
+                        for stage in ("val", "test")}
         self._grid: tuple | None = None
 
     def setup(self, stage: str) -> None:
@@ -127,13 +133,17 @@ class SegmentationModule(TaskModule):
         return loss
 
     def update_metrics(self, stage: str, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        """Feed one batch's argmax prediction to the stage's Dice / IoU."""
-        pred = logits.argmax(dim=1)  # (B, H, W)
+        """Feed one batch's argmax prediction to the stage's Dice / IoU (kept on the device and handed to the metrics
+        when :meth:`compute_metrics` runs, or earlier once they grow large: no wait for the GPU in the step)."""
+        self.outputs[stage].append(logits.argmax(dim=1), mask)  # (B, *S), (B, *S)
+
+    def _update_now(self, stage: str, pred: torch.Tensor, mask: torch.Tensor) -> None:
         getattr(self, f"{stage}_dice").update(pred, mask)
         getattr(self, f"{stage}_iou").update(pred, mask)
 
     def compute_metrics(self, stage: str) -> dict[str, float]:
         """``stage/dice``, ``stage/iou`` and per-class values; resets the metrics."""
+        self.outputs[stage].flush()
         dice = getattr(self, f"{stage}_dice").compute().reshape(-1)  # (K,) foreground
         iou = getattr(self, f"{stage}_iou").compute().reshape(-1)[1:]  # (K,) without background
         getattr(self, f"{stage}_dice").reset()
@@ -151,7 +161,12 @@ class SegmentationModule(TaskModule):
         self.update_metrics("val", logits, mask)
         if batch_idx == 0 and self.hparams.grid_images:
             n = self.hparams.grid_images
-            self._grid = (images[:n].detach().cpu(), mask[:n].cpu(), logits[:n].argmax(dim=1).cpu())
+            grid = (images[:n].detach(), mask[:n], logits[:n].argmax(dim=1))
+            if images.ndim == 5:  # volumes (B, C, I, J, K): the middle slice along k, shown as DICOM shows it (rows along j)
+                k = images.shape[-1] // 2
+                grid = tuple(t[..., k].transpose(-1, -2) for t in grid)
+            # copies kept on the device until the figures are drawn (a copy to the host here would wait for the GPU)
+            self._grid = tuple(t.clone() for t in grid)
 
     def on_validation_epoch_end(self) -> None:
         values = self.compute_metrics("val")
@@ -165,10 +180,7 @@ class SegmentationModule(TaskModule):
             return {}
         from vitlab.outputs.figures import SegmentationOverlay
 
-        images, truth, pred = self._grid
-        if images.ndim == 5:  # volumes (B, C, I, J, K): the middle slice along k, shown as DICOM shows it (rows along j)
-            k = images.shape[-1] // 2
-            images, truth, pred = (t[..., k].transpose(-1, -2) for t in (images, truth, pred))
+        images, truth, pred = (t.cpu() for t in self._grid)
         return {"val/segmentation": SegmentationOverlay(images[:, 0].float().numpy(), truth.numpy(), pred.numpy(), list(self.class_names))}
 
     def test_step(self, batch, batch_idx: int) -> None:
