@@ -350,6 +350,34 @@ def test_kept_window_masks_stay_within_their_budget_and_are_not_kept_while_compi
     assert traced is not masks.masks[next(reversed(masks.masks))] and torch.equal(traced, masks.masks[next(reversed(masks.masks))])
 
 
+@pytest.mark.slow
+def test_swin_unetr_with_kept_masks_compiles(monkeypatch):
+    """torch.compile traces through the kept masks' wrapper (MONAI's own call while tracing): the compiled forward
+    equals the eager one, and tracing keeps no mask."""
+    import torch._dynamo
+    from monai.networks.nets import swin_unetr
+
+    swin = _swin("3d-window4", seed=6)
+    x = _volume(swin, seed=7)
+    kept = swin_unetr.compute_mask
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    with torch.no_grad():
+        eager = swin(x)
+        kept.masks.clear()
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(swin, backend=backend)(x)
+        finally:
+            torch._dynamo.reset()
+    assert graphs and not kept.masks  # traced (MONAI's call inside the graph), nothing kept
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("config", list(SWIN_CONFIGS))
 def test_swin_unetr_with_kept_masks_trains_bit_for_bit_as_with_monai_masks(config, monkeypatch):
     from monai.networks.nets import swin_unetr
