@@ -385,6 +385,7 @@ def test_swin_unetr_with_kept_masks_trains_bit_for_bit_as_with_monai_masks(confi
     swin = _swin(config, seed=3).train()
     assert hasattr(swin_unetr.compute_mask, "masks")  # building it installed the kept masks
     x = _volume(swin, seed=4)
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)  # (the relative-position table's gradient is accumulated by an index_put)
     try:
         def step(compute_mask):
@@ -404,7 +405,7 @@ def test_swin_unetr_with_kept_masks_trains_bit_for_bit_as_with_monai_masks(confi
             assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
         assert kept.masks
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 # ----------------------------------------------------------------------------------------------- ablation
