@@ -48,7 +48,8 @@ What it runs (about 5 minutes on one H100 / H200):
    variants run in the order given, each for ViT then SwinUNETR where it applies.
 
 It prints a line per run as the run ends (with the whole-epoch ratio, over the epochs and each epoch after the
-first), then one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
+first; validation's seconds, its waits for batches and its images/s against the bare forward; the first epoch's
+seconds, which hold any compilation), then one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
 validation images; Q/K/V callbacks <= 1 % of a ViT epoch; loader wait <= 5 % of the step time), and writes it as
 JSON to ``--out``. Without a CUDA GPU it says so in one line and exits 0; without one of vitlab's dependencies it
@@ -180,7 +181,8 @@ class EpochTimer(pl.Callback):
         if self.current is not None and "val_start" in self.current:
             sync()
             self.current["val_end"] = time.perf_counter()
-            self.current["val_s"] = self.current["val_end"] - self.current.pop("val_start")
+            self.current["val_begin"] = self.current.pop("val_start")
+            self.current["val_s"] = self.current["val_end"] - self.current["val_begin"]
     def on_train_epoch_start(self, trainer, pl_module):
         sync()
         now = time.perf_counter()
@@ -306,7 +308,7 @@ timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, EpochTimer))
 out = []
 for epoch in timer.epochs:
     end = epoch["start"] + epoch["epoch_s"]
-    inside = lambda key: [s for t, s in spans[key] if epoch["start"] <= t <= end]
+    inside = lambda key, a=epoch["start"], b=end: [s for t, s in spans[key] if a <= t <= b]
     # a profiled window (the default run's second epoch): its steps, images and seconds are left out
     window = epoch.get("excluded", {"seconds": 0.0, "steps": 0, "images": 0, "gaps": (0, 0)})
     gaps = sorted(b - a for i, (a, b) in enumerate(zip(epoch["marks"], epoch["marks"][1:]))
@@ -316,7 +318,10 @@ for epoch in timer.epochs:
                 "val_s": epoch.get("val_s", 0.0), "median_step_s": gaps[len(gaps) // 2], "p90_step_s": gaps[int(0.9 * (len(gaps) - 1))],
                 "to_first_s": epoch["first"] - epoch["start"], "after_val_s": end - epoch.get("val_end", epoch["last"]),
                 "val_first_s": epoch.get("val_first_s", 0.0), "hooks_s": epoch_hooks(epoch["start"], end),
-                "epoch_s": epoch["epoch_s"] - window["seconds"], "fetch_s": sum(inside("fetch")), "callbacks_s": sum(inside("callbacks")),
+                "epoch_s": epoch["epoch_s"] - window["seconds"], "callbacks_s": sum(inside("callbacks")),
+                # the loader's waits: in the training steps, and in validation (apart)
+                "fetch_s": sum(inside("fetch", epoch["start"], epoch["last"])),
+                "val_fetch_s": sum(inside("fetch", epoch["val_begin"], epoch["val_end"])) if "val_end" in epoch else 0.0,
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
                 "ckpt_io_s": sum(inside("ckpt_io")), **background_work(epoch["start"], end)})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -524,6 +529,8 @@ def summarise(run: dict) -> dict[str, float]:
     return {"train_ips": images / train_s, "epoch_ips": images / epoch_s, "epoch_s": epoch_s / len(epochs),
             "images_per_epoch": images / len(epochs), "fetch_ms_per_step": 1e3 * sum(e["fetch_s"] for e in epochs) / steps,
             "step_ms": 1e3 * train_s / steps, "val_s": sum(e.get("val_s", 0.0) for e in epochs) / len(epochs),
+            "val_fetch_s": sum(e.get("val_fetch_s", 0.0) for e in epochs) / len(epochs),
+            "first_epoch_s": run["epochs"][0]["epoch_s"],
             "train_s": train_s / len(epochs), "median_step_ms": 1e3 * statistics.median(e.get("median_step_s", 0.0) for e in epochs),
             "p90_step_ms": 1e3 * statistics.median(e.get("p90_step_s", 0.0) for e in epochs),
             "to_first_s": sum(e.get("to_first_s", 0.0) for e in epochs) / len(epochs),
@@ -634,9 +641,13 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"(state {run.get('ckpt_dump_s_per_epoch', 0):5.3f} s, hand-over {run.get('ckpt_io_s_per_epoch', 0):5.3f} s); "
             f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB; epoch {run['epoch_s']:.2f} s = "
             f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} (to its first batch "
-            f"{run.get('val_first_s', 0):.2f}) + the rest "
+            f"{run.get('val_first_s', 0):.2f}, waiting for batches {run.get('val_fetch_s', 0):.2f} in all"
+            + (f", {run['val_images'] / run['val_s']:.0f} img/s = {run['val_images'] / run['val_s'] / bare['eval_ips']:.2f}x "
+               f"the bare forward" if run.get("val_s") and "eval_ips" in bare else "")
+            + f") + the rest "
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
-            f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); step median {run.get('median_step_ms', 0):.1f} ms, "
+            f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); first epoch {run.get('first_epoch_s', 0):.1f} s "
+            f"(with compilation, if any); step median {run.get('median_step_ms', 0):.1f} ms, "
             f"90th percentile {run.get('p90_step_ms', 0):.1f} ms; fit end {run.get('fit_end_s', 0):.2f} s (once a fit: the "
             f"background work drained); the slowest epoch-level hooks per epoch: "
             + (", ".join(f"{key} {seconds:.3f} s" for key, seconds in list(run.get("hooks_s", {}).items())[:6]) or "none")

@@ -85,6 +85,12 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
         epochs, end = results[run]["per_epoch"], results[run]["fit_end_s"]
         assert len(epochs) == 2 and all(e["epoch_s"] >= e["train_s"] > 0 for e in epochs) and end > 0, run
     assert "fit end" in report
+    # the loader's waits in validation apart from the training steps', and the first epoch's seconds (compilation)
+    for run in ("vit/default", "swinunetr/default"):
+        figures = results[run]
+        assert all(e["val_fetch_s"] >= 0 and e["fetch_s"] > 0 for e in figures["per_epoch"]), run
+        assert figures["first_epoch_s"] > 0 and figures["first_epoch_s"] == pytest.approx(figures["per_epoch"][0]["epoch_s"], abs=1e-3), run
+    assert results["vit/default"]["val_fetch_s"] > 0 and "waiting for batches" in report and "first epoch" in report
     import tarfile
 
     with tarfile.open(out / "results.tar.gz") as archive:

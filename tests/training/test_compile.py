@@ -25,9 +25,15 @@ def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_datas
     from vitlab.cli import fit
     from vitlab.qkv.state import load_snapshot
 
-    plain = fit(tiny_args(tiny_dataset, tmp_path / "plain", epochs=1))
+    import torch._dynamo
+
+    five = ["--data.batch_size", "5"]  # 24 training images: a last batch of 4; 8 validation images: 5 and 3
+    plain = fit(tiny_args(tiny_dataset, tmp_path / "plain", epochs=1, extra=five))
     # aot_eager: dynamo's graph capture and AOT autograd without inductor's code generation (fast on 2 cores)
-    compiled = fit(tiny_args(tiny_dataset, tmp_path / "compiled", epochs=1, extra=["--model.compile", "{backend: aot_eager}"]))
+    torch._dynamo.reset()
+    start = _graphs()
+    compiled = fit(tiny_args(tiny_dataset, tmp_path / "compiled", epochs=1, extra=["--model.compile", "{backend: aot_eager}", *five]))
+    assert _graphs() - start == 2  # one for training, one for validation, whatever the last batches' sizes
     assert getattr(compiled.model.model, "_compiled_call_impl", None) is not None  # trained through the compiled forward
     assert getattr(plain.model.model, "_compiled_call_impl", None) is None
     assert compiled.trainer.global_step == plain.trainer.global_step > 0
@@ -45,6 +51,76 @@ def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_datas
     ckpt = tmp_path / "compiled" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     probe_main(["spectra", "--checkpoint", str(ckpt), "--out", str(tmp_path / "probe")])
     assert (tmp_path / "probe").is_dir()
+
+
+def _graphs() -> int:
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_a_compiled_network_makes_one_graph_per_mode_whatever_the_batch_sizes():
+    """Batches of 5, 3, 5 and 2 in training and 5 and 3 under inference mode: one training graph and one inference
+    graph with a symbolic batch size, where ``nn.Module.compile`` specialises the first batch size and compiles the
+    training graph again at the first smaller batch; outputs and gradients equal the uncompiled network's."""
+    import copy
+
+    import torch._dynamo
+
+    from vitlab.models import build_model, compile_in_place, is_compiled
+
+    torch.manual_seed(0)
+    eager = build_model("vit_tiny_patch16_224", num_classes=3, in_chans=1, img_size=16, patch_size=8, embed_dim=16,
+                        depth=2, num_heads=2, drop_path_rate=0.0)
+    torch.nn.init.normal_(eager.pos_embed)  # (timm starts some at zero)
+    torch.nn.init.normal_(eager.cls_token)
+
+    def run(network):
+        grads, outputs = [], []
+        for n in (5, 3, 5, 2):
+            network.zero_grad(set_to_none=True)
+            out = network(torch.randn(n, 1, 16, 16, generator=torch.Generator().manual_seed(n)))
+            out.square().sum().backward()
+            outputs.append(out.detach())
+            grads.append([p.grad.clone() for p in network.parameters()])
+        with torch.inference_mode():
+            outputs += [network(torch.randn(n, 1, 16, 16, generator=torch.Generator().manual_seed(10 + n))) for n in (5, 3)]
+        return outputs, grads
+
+    expected = run(eager)
+    torch._dynamo.reset()
+    network, plain = copy.deepcopy(eager), copy.deepcopy(eager)
+    compile_in_place(network, backend="aot_eager")
+    assert is_compiled(network) and not is_compiled(eager)
+    start = _graphs()
+    got = run(network)
+    assert _graphs() - start == 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert list(network.state_dict()) == list(eager.state_dict())  # compiled in place: the same keys
+
+    torch._dynamo.reset()  # the oracle for the count: torch's own in-place compile
+    plain.compile(backend="aot_eager")
+    start = _graphs()
+    run(plain)
+    assert _graphs() - start == 3
+
+
+@pytest.mark.slow
+def test_a_dynamic_setting_given_by_the_user_is_passed_through():
+    import torch._dynamo
+
+    from vitlab.models import build_model, compile_in_place
+
+    network = build_model("vit_tiny_patch16_224", num_classes=3, in_chans=1, img_size=16, patch_size=8, embed_dim=16,
+                          depth=1, num_heads=2)
+    torch._dynamo.reset()
+    compile_in_place(network, backend="aot_eager", dynamic=False)
+    start = _graphs()
+    with torch.no_grad():
+        for n in (5, 3, 2):
+            network(torch.randn(n, 1, 16, 16))
+    assert _graphs() - start == 3  # every batch size specialised, as asked
 
 
 def test_adamw_is_fused_on_cuda_only():
@@ -70,7 +146,7 @@ def test_on_cuda_a_fit_replayed_as_cuda_graphs_trains_and_snapshots_the_weights_
     from vitlab.qkv.state import load_snapshot, qkv_state
 
     extra = ["--model.compile", "{mode: reduce-overhead}", "--trainer.accelerator", "gpu", "--trainer.devices", "1",
-             "--trainer.precision", "bf16-mixed"]
+             "--trainer.precision", "bf16-mixed", "--data.batch_size", "5"]  # (last batches of 4 and 3: a second size)
     run = fit(tiny_args(tiny_dataset, tmp_path, epochs=2, extra=extra))
     assert getattr(run.model.model, "_compiled_call_impl", None) is not None and run.trainer.global_step > 0
     metrics = run.trainer.callback_metrics

@@ -39,6 +39,7 @@ from vitlab.models.anatomy import (
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
 from vitlab.models.build import build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
+from vitlab.models.compiled import compile_in_place, is_compiled
 from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
 from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError, WeightsMismatchError
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
@@ -72,11 +73,13 @@ __all__ = [
     "build_segmenter",
     "capture",
     "check_volume_size",
+    "compile_in_place",
     "dense_window_attention",
     "embeddings",
     "families_table",
     "family_name",
     "forward_until",
+    "is_compiled",
     "freeze",
     "input_size",
     "layer_ids",

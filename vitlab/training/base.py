@@ -48,9 +48,10 @@ class TaskModule(pl.LightningModule):
         warmup_epochs: Linear warm-up length in epochs (fractions allowed).
         min_lr_ratio: Final LR of the cosine schedule as a fraction of ``lr``.
         compile: Train through ``torch.compile`` (``true``, or a dict of its arguments such as ``{mode:
-            max-autotune}``): the network's forward is compiled in place (``nn.Module.compile``) when the fit sets
-            up, so its parameters, checkpoint keys, the Q/K/V callbacks and the probes see the uncompiled module.
-            The first steps are slow (compilation); later ones faster on a GPU.
+            max-autotune}``): the network's forward is compiled in place (:func:`vitlab.models.compile_in_place`)
+            when the fit sets up, so its parameters, checkpoint keys, the Q/K/V callbacks and the probes see the
+            uncompiled module. The batch dimension is compiled symbolic (unless ``dynamic`` is given), so a smaller
+            last batch is not compiled again. The first steps are slow (compilation); later ones faster on a GPU.
     """
 
     def __init__(
@@ -138,8 +139,8 @@ class TaskModule(pl.LightningModule):
     def configure_model(self) -> None:
         """``model.compile``: compile the network's forward in place, once, as the fit sets up (after a spawned
         process receives the module: a compiled forward does not pickle)."""
-        if self.compile_options is not None and getattr(self.model, "_compiled_call_impl", None) is None:
-            self.model.compile(**self.compile_options)
+        if self.compile_options is not None and not models.is_compiled(self.model):
+            models.compile_in_place(self.model, **self.compile_options)
 
     def _track_best(self, values: dict[str, Any]) -> None:
         """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""
