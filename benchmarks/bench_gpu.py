@@ -31,8 +31,12 @@ What it runs (about 5 minutes on one H100 / H200):
    wait for batches per step, the seconds the Q/K/V callbacks take in the training thread per epoch and at fit
    start, the seconds the epoch's checkpoints take, the background threads' work (the seconds of Q/K/V work and of
    checkpoint writing running in the epoch, and how long after an epoch's end its Q/K/V work is done: beyond an
-   epoch, the next epoch's end waits for it), and the peak GPU memory. The default runs also profile 5 steps
-   in the middle of the second epoch (``torch.profiler``, tables written beside the results); those steps, the
+   epoch, the next epoch's end waits for it), and the peak GPU memory. With py-spy on ``PATH`` the default runs
+   are sampled for 2 s a quarter into the first epoch (left out of the figures; ``py-spy record --nonblocking``,
+   every thread, once for the threads on a CPU and once for the thread holding the interpreter's lock): the share
+   of that time the training thread ran and held the lock, the lock's other holders by thread name, and the
+   training thread's innermost frames (``pyspy_<task>_{active,gil}.txt`` beside the results). The default runs
+   also profile 5 steps in the middle of the second epoch (``torch.profiler``, tables written beside the results); those steps, the
    profiler's start and stop and the tables' writing are left out of that epoch's figures (the time left out is
    printed).
 4. **Variants** (``--variants``): ``memdata`` the same ViT run fed four training batches made once and kept in
@@ -108,6 +112,23 @@ def sync():
 
 import os
 PROFILE = os.environ.get("BENCH_PROFILE")  # a file for torch.profiler's tables of 5 steps in the middle of the second epoch
+PYSPY = os.environ.get("BENCH_PYSPY")  # a file stem for py-spy's samples of the first epoch (py-spy on PATH)
+PYSPY_SECONDS, PYSPY_RATE = 2, 200
+
+def start_py_spy():
+    # two py-spy samplers of this process for PYSPY_SECONDS, every thread, the process not stopped (--nonblocking):
+    # the threads on a CPU (stem_active.txt) and the thread holding the interpreter's lock (stem_gil.txt)
+    import shutil, subprocess, threading
+    tool = shutil.which("py-spy")
+    if tool is None:
+        return None
+    for kind, flag in (("active", []), ("gil", ["--gil"])):
+        PYSPY_PROCS.append(subprocess.Popen(
+            [tool, "record", "--pid", str(os.getpid()), "-d", str(PYSPY_SECONDS), "-r", str(PYSPY_RATE), "--threads",
+             "--nonblocking", "--format", "raw", "-o", f"{PYSPY}_{kind}.txt", *flag],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    return threading.get_native_id()
+PYSPY_PROCS = []  # (waited for after the fit: their files are written when they end)
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy",
             "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::to", "aten::copy_", "Optimizer.step")
 
@@ -148,6 +169,7 @@ class EpochTimer(pl.Callback):
     def __init__(self):
         self.epochs, self.current, self.fit_start = [], None, {}
         self.prof, self.prof_first = None, 20
+        self.pyspy_tid = None
     def setup(self, trainer, pl_module, stage):
         owners = [(type(cb).__name__, cb) for cb in trainer.callbacks if cb is not self] + [(type(pl_module).__name__, pl_module)]
         for name, owner in owners:
@@ -197,6 +219,9 @@ class EpochTimer(pl.Callback):
         self.current["marks"].append(time.perf_counter())  # (host clock, no sync: the spread of the steps)
         self.current["images"] += len(batch[0])
         self.current["steps"] += 1
+        # py-spy in the first epoch (left out of the figures), a quarter in: past the first steps' warm-up
+        if PYSPY and trainer.current_epoch == 0 and batch_idx == trainer.num_training_batches // 4:
+            self.pyspy_tid = start_py_spy()
         # (the middle of the second epoch: past the work that the fit's start and the first epoch's end leave to threads)
         if PROFILE and trainer.current_epoch == min(1, trainer.max_epochs - 1) and batch_idx == max(1, trainer.num_training_batches // 2 - 2):
             self.prof_first = batch_idx
@@ -305,6 +330,11 @@ def epoch_hooks(start, end):  # seconds per hook (called in [start, end)), those
 from vitlab.cli import fit
 cli = fit(sys.argv[1:])
 timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, EpochTimer))
+for proc in PYSPY_PROCS:
+    try:
+        proc.wait(timeout=PYSPY_SECONDS + 10)
+    except Exception:
+        proc.kill()
 out = []
 for epoch in timer.epochs:
     end = epoch["start"] + epoch["epoch_s"]
@@ -329,6 +359,7 @@ print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for 
                               "fit_end_s": getattr(timer, "fit_end_s", 0.0),
                               "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
+                              "pyspy_tid": timer.pyspy_tid,
                               "val_images": len(cli.datamodule.samples("val"))}))
 """
 
@@ -496,7 +527,7 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
 
 
 def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False,
-               normalize: str | None = None) -> dict | None:
+               normalize: str | None = None, pyspy: Path | None = None) -> dict | None:
     """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run.
     ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -505,6 +536,8 @@ def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = Fal
         env["BENCH_BACKGROUND"] = "1"
     if profile is not None:
         env["BENCH_PROFILE"] = str(profile)
+    if pyspy is not None:
+        env["BENCH_PYSPY"] = str(pyspy)
     if memdata:
         env["BENCH_MEMDATA"] = "1"
     if normalize is not None:
@@ -604,12 +637,18 @@ def main() -> None:
                   + (f" (with MONAI's masks made at every forward {bare['monai_masks_train_ips']:.1f})"
                      if "monai_masks_train_ips" in bare else ""), flush=True)
         profile = root / f"profile_{kind}.txt" if variant == "default" else None
+        pyspy = root / f"pyspy_{kind}" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
-                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None)
+                         memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None,
+                         pyspy=pyspy)
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)
         print(run_line(f"{kind}/{variant}", summary, results[f"{kind}/bare"]), flush=True)
+        if pyspy is not None and run.get("pyspy_tid") is not None:
+            texts = [Path(f"{pyspy}_{k}.txt").read_text() if Path(f"{pyspy}_{k}.txt").exists() else "" for k in ("active", "gil")]
+            summary["pyspy"] = py_spy_summary(*texts, run["pyspy_tid"])
+            print(py_spy_line(kind, summary["pyspy"]), flush=True)
         # (after every run: a time limit that stops the script later still leaves the runs done so far)
         (root / "bench_gpu.json").write_text(json.dumps(results, indent=1))
         if profile is not None and profile.exists():
@@ -617,6 +656,61 @@ def main() -> None:
     report(results, args)
     (root / "bench_gpu.json").write_text(json.dumps(results, indent=1))
     print(f"bench_gpu: results in {root / 'bench_gpu.json'}")
+
+
+def py_spy_samples(text: str) -> list[tuple[int, str, list[str], int]]:
+    """py-spy's raw samples (``record --threads --format raw``): (thread id, thread name, frames outermost first, count)."""
+    import re
+
+    out = []
+    for line in text.splitlines():
+        found = re.search(r"thread \((\d+)\): ([^;]*)(.*) (\d+)$", line)
+        if found:
+            frames = [f for f in found.group(3).split(";") if f]
+            out.append((int(found.group(1)), found.group(2).strip(), frames, int(found.group(4))))
+    return out
+
+
+def py_spy_summary(active: str, gil: str, tid: int) -> dict:
+    """Where the training thread (native id ``tid``) spent py-spy's window: its samples on a CPU and holding the
+    interpreter's lock, the lock's other holders (by thread name), and its top frames (innermost function) of each."""
+    from collections import Counter
+
+    def tally(text):
+        samples = py_spy_samples(text)
+        total = sum(n for _, _, _, n in samples)
+        ours = [(frames, n) for t, _, frames, n in samples if t == tid]
+        others = Counter()
+        for t, name, _, n in samples:
+            if t != tid:
+                others[name] += n
+        top = Counter()
+        for frames, n in ours:
+            top[frames[-1] if frames else "?"] += n
+        return total, sum(n for _, n in ours), others, top
+
+    window = PYSPY_WINDOW_SAMPLES
+    a_total, a_ours, a_others, a_top = tally(active)
+    g_total, g_ours, g_others, g_top = tally(gil)
+    return {"window_samples": window, "active_samples": a_total, "gil_samples": g_total,
+            "training_on_cpu": a_ours / window, "training_holds_lock": g_ours / window,
+            "lock_held_by_others": {name: n / window for name, n in g_others.most_common(5)},
+            "others_on_cpu": {name: n / window for name, n in a_others.most_common(5)},
+            "training_top_on_cpu": {frame: n / window for frame, n in a_top.most_common(6)},
+            "training_top_holding_lock": {frame: n / window for frame, n in g_top.most_common(6)}}
+
+
+PYSPY_WINDOW_SAMPLES = 2 * 200  # the child's PYSPY_SECONDS x PYSPY_RATE: one sample a thread each 5 ms
+
+
+def py_spy_line(kind: str, spy: dict) -> str:
+    if not spy["active_samples"] and not spy["gil_samples"]:
+        return f"  {kind}: py-spy took no samples (not allowed to read the process?)"
+    share = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items()) or "none"
+    return (f"  {kind}: py-spy, 2 s of the first epoch: the training thread on a CPU {spy['training_on_cpu']:.0%} of the time, "
+            f"holding the interpreter's lock {spy['training_holds_lock']:.0%}; the lock held by other threads: "
+            f"{share(spy['lock_held_by_others'])}; other threads on a CPU: {share(spy['others_on_cpu'])}; the training "
+            f"thread's innermost frames on a CPU: {share(spy['training_top_on_cpu'])}")
 
 
 def bare_epoch_s(run: dict, bare: dict, epoch: dict | None = None) -> float:

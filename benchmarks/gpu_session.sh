@@ -14,7 +14,8 @@
 #    their data, runs and py-spy files in a temp folder, not in OUT: the data are thousands of files, and a machine
 #    lent for minutes may return only a few files. The defaults fit one 600 s call; the ladder takes a second one.
 # 3. Leaves in OUT at most six files: cudatests.txt, bench_gpu.txt and ladder.txt (what each printed),
-#    bench_gpu.json, and results.tar.gz (the JSON, torch.profiler's tables, py-spy's stacks and lock-holder samples).
+#    bench_gpu.json, and results.tar.gz (the JSON, torch.profiler's tables, py-spy's samples of the default runs'
+#    first epochs, the ladder's py-spy stacks and lock-holder samples).
 #
 # Without a GPU each benchmark says so in one line (and the CUDA tests are skipped). Environment (defaults in
 # brackets): GPU_SESSION_SMOKE=1 runs the benchmarks with --smoke (tiny models on the CPU: checks this script);
@@ -58,7 +59,8 @@ if [ "${GPU_SESSION_LADDER:-0}" != 0 ]; then
 fi
 [ -f "$work/gpu/bench_gpu.json" ] && cp "$work/gpu/bench_gpu.json" "$out/"
 kept=()
-for path in gpu/bench_gpu.json gpu/profile_vit.txt gpu/profile_swinunetr.txt pyspy; do
+for path in gpu/bench_gpu.json gpu/profile_vit.txt gpu/profile_swinunetr.txt gpu/pyspy_vit_active.txt gpu/pyspy_vit_gil.txt \
+        gpu/pyspy_swinunetr_active.txt gpu/pyspy_swinunetr_gil.txt pyspy; do
     [ -e "$work/$path" ] && kept+=("$path")
 done
 if [ ${#kept[@]} -gt 0 ]; then

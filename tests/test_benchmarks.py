@@ -91,6 +91,10 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
         assert all(e["val_fetch_s"] >= 0 and e["fetch_s"] > 0 for e in figures["per_epoch"]), run
         assert figures["first_epoch_s"] > 0 and figures["first_epoch_s"] == pytest.approx(figures["per_epoch"][0]["epoch_s"], abs=1e-3), run
     assert results["vit/default"]["val_fetch_s"] > 0 and "waiting for batches" in report and "first epoch" in report
+    import shutil
+
+    if shutil.which("py-spy"):  # (a tool of the GPU session's wheels, not a dependency): the default runs sampled
+        assert "vit: py-spy" in report and "swinunetr: py-spy" in report
     import tarfile
 
     with tarfile.open(out / "results.tar.gz") as archive:
@@ -99,3 +103,36 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
         profile = archive.extractfile("gpu/profile_vit.txt").read().decode()
     assert profile.startswith("torch.profiler over 5 training steps")
     assert "vit whole epoch:" in report and "x bare" in report
+
+
+def test_the_py_spy_summary_counts_the_training_threads_samples_and_the_locks_other_holders():
+    """``bench_gpu.py``'s reading of py-spy's raw samples (``record --threads --format raw``; the process header may
+    span lines, as a ``python -c`` command does): shares of the window of the training thread on a CPU and holding
+    the interpreter's lock, the lock's other holders by thread name, the training thread's innermost frames."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    head = 'process 7:"python -c \nimport x\n";'
+    active = "\n".join([
+        head + "thread (7): MainThread;<module> (<string>:1);step (train.py:10) 150",
+        head + "thread (7): MainThread;<module> (<string>:1);fetch (data.py:3) 50",
+        head + "thread (9): vitlab-qkv;run (qkv.py:5) 120",
+        head + "thread (11): pin_memory;loop (pin.py:2) 40",
+    ])
+    gil = "\n".join([
+        head + "thread (7): MainThread;<module> (<string>:1);step (train.py:10) 100",
+        head + "thread (9): vitlab-qkv;run (qkv.py:5) 200",
+        head + "thread (11): pin_memory;loop (pin.py:2) 20",
+    ])
+    spy = bench.py_spy_summary(active, gil, tid=7)
+    window = bench.PYSPY_WINDOW_SAMPLES
+    assert spy["active_samples"] == 360 and spy["gil_samples"] == 320
+    assert spy["training_on_cpu"] == pytest.approx(200 / window) and spy["training_holds_lock"] == pytest.approx(100 / window)
+    assert spy["lock_held_by_others"] == pytest.approx({"vitlab-qkv": 200 / window, "pin_memory": 20 / window})
+    assert list(spy["lock_held_by_others"]) == ["vitlab-qkv", "pin_memory"]  # (the largest first)
+    assert spy["training_top_on_cpu"] == pytest.approx({"step (train.py:10)": 150 / window, "fetch (data.py:3)": 50 / window})
+    line = bench.py_spy_line("vit", spy)
+    assert "holding the interpreter's lock 25%" in line and "vitlab-qkv 50%" in line
+    assert "no samples" in bench.py_spy_line("vit", bench.py_spy_summary("", "", tid=7))
