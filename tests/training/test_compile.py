@@ -60,10 +60,11 @@ def _graphs() -> int:
 
 
 @pytest.mark.slow
-def test_a_compiled_network_makes_one_graph_per_mode_whatever_the_batch_sizes():
+def test_a_compiled_network_with_a_symbolic_batch_makes_one_graph_per_mode_whatever_the_batch_sizes():
     """Batches of 5, 3, 5 and 2 in training and 5 and 3 under inference mode: one training graph and one inference
-    graph with a symbolic batch size, where ``nn.Module.compile`` specialises the first batch size and compiles the
-    training graph again at the first smaller batch; outputs and gradients equal the uncompiled network's."""
+    graph with a symbolic batch size, where without the mark (as ``nn.Module.compile``) the first batch size is
+    specialised and the training graph compiled again at the first smaller batch; outputs and gradients equal the
+    uncompiled network's either way."""
     import copy
 
     import torch._dynamo
@@ -91,7 +92,7 @@ def test_a_compiled_network_makes_one_graph_per_mode_whatever_the_batch_sizes():
     expected = run(eager)
     torch._dynamo.reset()
     network, plain = copy.deepcopy(eager), copy.deepcopy(eager)
-    compile_in_place(network, backend="aot_eager")
+    compile_in_place(network, symbolic_batch=True, backend="aot_eager")
     assert is_compiled(network) and not is_compiled(eager)
     start = _graphs()
     got = run(network)
@@ -99,10 +100,10 @@ def test_a_compiled_network_makes_one_graph_per_mode_whatever_the_batch_sizes():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert list(network.state_dict()) == list(eager.state_dict())  # compiled in place: the same keys
 
-    torch._dynamo.reset()  # the oracle for the count: torch's own in-place compile
-    plain.compile(backend="aot_eager")
+    torch._dynamo.reset()  # without the mark: what torch's own in-place compile does, the first size specialised
+    compile_in_place(plain, backend="aot_eager")
     start = _graphs()
-    run(plain)
+    torch.testing.assert_close(run(plain), expected, rtol=1e-5, atol=1e-6)
     assert _graphs() - start == 3
 
 
@@ -115,12 +116,23 @@ def test_a_dynamic_setting_given_by_the_user_is_passed_through():
     network = build_model("vit_tiny_patch16_224", num_classes=3, in_chans=1, img_size=16, patch_size=8, embed_dim=16,
                           depth=1, num_heads=2)
     torch._dynamo.reset()
-    compile_in_place(network, backend="aot_eager", dynamic=False)
+    compile_in_place(network, symbolic_batch=True, backend="aot_eager", dynamic=False)
     start = _graphs()
     with torch.no_grad():
         for n in (5, 3, 2):
             network(torch.randn(n, 1, 16, 16))
     assert _graphs() - start == 3  # every batch size specialised, as asked
+
+
+@pytest.mark.parametrize(("batch_size", "varies"), [(8, False), (4, False), (5, True), (6, True)])
+def test_the_data_module_says_whether_a_split_ends_with_a_smaller_batch(tiny_dataset, batch_size, varies):
+    from vitlab.data.datamodule import MedicalDataModule
+
+    data = MedicalDataModule(root=str(tiny_dataset), image_size=32, batch_size=batch_size, val_fraction=0.25)
+    data.setup("fit")
+    sizes = (len(data.samples("train")), len(data.samples("val")))
+    assert sizes == (24, 8)  # (6: the validation split's 8 end with 2)
+    assert data.batch_sizes_vary() is varies
 
 
 def test_adamw_is_fused_on_cuda_only():

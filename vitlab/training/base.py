@@ -50,8 +50,9 @@ class TaskModule(pl.LightningModule):
         compile: Train through ``torch.compile`` (``true``, or a dict of its arguments such as ``{mode:
             max-autotune}``): the network's forward is compiled in place (:func:`vitlab.models.compile_in_place`)
             when the fit sets up, so its parameters, checkpoint keys, the Q/K/V callbacks and the probes see the
-            uncompiled module. The batch dimension is compiled symbolic (unless ``dynamic`` is given), so a smaller
-            last batch is not compiled again. The first steps are slow (compilation); later ones faster on a GPU.
+            uncompiled module. Where a split ends with a smaller batch, the batch dimension is compiled symbolic
+            from the start (unless ``dynamic`` is given), so that batch is not compiled again. The first steps are
+            slow (compilation); later ones faster on a GPU.
     """
 
     def __init__(
@@ -140,7 +141,11 @@ class TaskModule(pl.LightningModule):
         """``model.compile``: compile the network's forward in place, once, as the fit sets up (after a spawned
         process receives the module: a compiled forward does not pickle)."""
         if self.compile_options is not None and not models.is_compiled(self.model):
-            models.compile_in_place(self.model, **self.compile_options)
+            # a symbolic batch size from the start where a split ends with a smaller batch (one compilation, not two)
+            data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            varying = getattr(data, "batch_sizes_vary", None)
+            models.compile_in_place(self.model, symbolic_batch=bool(varying()) if callable(varying) else False,
+                                    **self.compile_options)
 
     def _track_best(self, values: dict[str, Any]) -> None:
         """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""
