@@ -124,8 +124,9 @@ def test_a_dynamic_setting_given_by_the_user_is_passed_through():
     assert _graphs() - start == 3  # every batch size specialised, as asked
 
 
-@pytest.mark.parametrize(("batch_size", "varies"), [(8, False), (4, False), (5, True), (6, True)])
-def test_the_data_module_says_whether_a_split_ends_with_a_smaller_batch(tiny_dataset, batch_size, varies):
+@pytest.mark.parametrize(("batch_size", "varies", "varies_on_two_ranks"),
+                         [(8, False, True), (4, False, False), (5, True, True), (6, True, True)])
+def test_the_data_module_says_whether_a_split_ends_with_a_smaller_batch(tiny_dataset, batch_size, varies, varies_on_two_ranks):
     from vitlab.data.datamodule import MedicalDataModule
 
     data = MedicalDataModule(root=str(tiny_dataset), image_size=32, batch_size=batch_size, val_fraction=0.25)
@@ -133,6 +134,8 @@ def test_the_data_module_says_whether_a_split_ends_with_a_smaller_batch(tiny_dat
     sizes = (len(data.samples("train")), len(data.samples("val")))
     assert sizes == (24, 8)  # (6: the validation split's 8 end with 2)
     assert data.batch_sizes_vary() is varies
+    # on 2 ranks each gets 12 training and 4 validation images (Lightning's distributed sampler)
+    assert data.batch_sizes_vary(ranks=2) is varies_on_two_ranks
 
 
 def test_adamw_is_fused_on_cuda_only():

@@ -306,12 +306,14 @@ class ImageData:
         """Images per class in each split, e.g. ``{"train": {"lesion": 115, ...}, ...}``."""
         return {split: dict(Counter(s.label for s in self.samples(split))) for split in SPLITS}
 
-    def batch_sizes_vary(self) -> bool:
-        """Whether the training or the validation loader ends an epoch with a smaller batch (its split's size is
-        not a multiple of ``batch_size``; whole volumes go one a batch): a compiled network then sees two batch
-        sizes (see :func:`vitlab.models.compile_in_place`)."""
+    def batch_sizes_vary(self, ranks: int = 1) -> bool:
+        """Whether the training or the validation loader ends an epoch with a smaller batch (a rank's share of its
+        split, ``ceil(n / ranks)`` as Lightning's distributed sampler pads it, is not a multiple of ``batch_size``;
+        whole volumes go one a batch): a compiled network then sees two batch sizes (see
+        :func:`vitlab.models.compile_in_place`)."""
         whole = self.volume_options is not None and self.volume_options.own_size
-        return any(len(self.samples(split)) % (1 if whole and split == "val" else self.batch_size) for split in ("train", "val"))
+        return any(-(-len(self.samples(split)) // ranks) % (1 if whole and split == "val" else self.batch_size)
+                   for split in ("train", "val"))
 
     def setup(self, stage: str | None = None) -> None:
         """Check headers and assign splits (once; ``skipped_files`` then counts the files left out)."""

@@ -144,8 +144,8 @@ class TaskModule(pl.LightningModule):
             # a symbolic batch size from the start where a split ends with a smaller batch (one compilation, not two)
             data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
             varying = getattr(data, "batch_sizes_vary", None)
-            models.compile_in_place(self.model, symbolic_batch=bool(varying()) if callable(varying) else False,
-                                    **self.compile_options)
+            symbolic = bool(varying(self._trainer.world_size)) if callable(varying) else False
+            models.compile_in_place(self.model, symbolic_batch=symbolic, **self.compile_options)
 
     def _track_best(self, values: dict[str, Any]) -> None:
         """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""
