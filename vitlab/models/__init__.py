@@ -1,7 +1,7 @@
 """vitlab.models: the only package that knows how timm, torchvision, MONAI and Hugging Face lay out vision transformers.
 
 Building and weights: :func:`build_model`, :func:`load_weights`, :func:`normalization`,
-:func:`parameter_groups`, :func:`freeze`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.
+:func:`parameter_groups`, :func:`freeze`, :func:`compile_in_place`. Anatomy: :func:`blocks`, :func:`qkv`, :func:`embeddings`.
 Interventions and recording: :func:`ablate`, :func:`transplant`, :func:`record_attention`,
 :func:`capture`, :func:`forward_until`. Task models: :func:`build_detector` (Mask R-CNN) and
 :func:`build_segmenter` around a timm ViT / Swin; every function above sees their backbone
@@ -79,9 +79,9 @@ __all__ = [
     "families_table",
     "family_name",
     "forward_until",
-    "is_compiled",
     "freeze",
     "input_size",
+    "is_compiled",
     "layer_ids",
     "load_weights",
     "normalization",
