@@ -402,3 +402,51 @@ def test_unlabelled_root_pretrains_beside_a_labelled_knn_set(tiny_dataset, tmp_p
         train_main([*args, "--data.unlabelled_root", str(extra)])
     assert "task classification cannot learn from them" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "cls" / "tiny").exists()  # (cls/ holds the config file)
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "swin_tiny_patch4_window7_224"])
+def test_a_network_without_its_classifier_returns_its_pooled_features(name):
+    """DINO's backbone pass is the network's own call (what ``model.compile`` compiles): with the classifier dropped
+    it equals ``pooled_features`` bit for bit, in training mode with head dropout and stochastic depth drawn alike."""
+    kwargs = ({"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2} if name.startswith("vit")
+              else {"img_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [2, 2], "num_heads": [1, 2], "window_size": 4})
+    torch.manual_seed(0)
+    model = models.build_model(name, num_classes=3, in_chans=1, drop_rate=0.3, drop_path_rate=0.2, **kwargs)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    models.drop_classifier(model)
+    model.train()
+    x = torch.randn(4, 1, 32, 32)
+    torch.manual_seed(7)
+    own = model(x)
+    torch.manual_seed(7)
+    pooled = models.pooled_features(model, x)
+    assert torch.equal(own, pooled) and own.shape == (4, models.feature_dim(model))
+
+
+@pytest.mark.slow
+def test_with_model_compile_the_student_trains_through_the_compiled_network():
+    """``model.compile`` reaches DINO's student (it once compiled a call DINO never made): the student's passes run
+    through dynamo, the teacher's do not, and the outputs equal the uncompiled module's."""
+    import copy
+
+    import torch._dynamo
+    import torch._dynamo.utils
+
+    torch.manual_seed(3)
+    plain = DINOModule(**DINO_TINY)
+    for p in plain.parameters():
+        p.data.normal_(0, 0.3)
+    plain.model.eval(), plain.teacher_model.eval()  # (no stochastic depth: the two modules' draws need not align)
+    compiled = copy.deepcopy(plain)
+    compiled.compile_options = {"backend": "aot_eager"}
+    torch._dynamo.reset()
+    compiled.configure_model()
+    assert models.is_compiled(compiled.model) and not models.is_compiled(compiled.teacher_model)
+    views = plain.multicrop(torch.randn(4, 1, 32, 32), generator=torch.Generator().manual_seed(0))
+    start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = compiled.dino_outputs(views)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - start >= 1
+    want = plain.dino_outputs(views)
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

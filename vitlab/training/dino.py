@@ -161,13 +161,18 @@ class DINOModule(TaskModule):
 
     @staticmethod
     def _by_size(model, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pooled features of every view, one backbone pass per distinct view size."""
+        """Pooled features of every view, one backbone pass per distinct view size.
+
+        The pass is the network's own call: with its classifier dropped (:func:`vitlab.models.drop_classifier`) a
+        timm network returns :func:`vitlab.models.pooled_features` (the same operations: its head is the identity),
+        and ``model.compile`` compiles that call; the student trains through it. (The teacher stays uncompiled:
+        the momentum update gives its weights new storage at every step, which CUDA graphs would record again.)"""
         out: list[torch.Tensor | None] = [None] * len(views)
         sizes: dict[tuple, list[int]] = {}
         for i, v in enumerate(views):
             sizes.setdefault(tuple(v.shape[1:]), []).append(i)
         for idx in sizes.values():
-            feats = models.pooled_features(model, torch.cat([views[i] for i in idx]))
+            feats = model(torch.cat([views[i] for i in idx]))
             for i, f in zip(idx, feats.split([len(views[i]) for i in idx])):
                 out[i] = f
         return out
