@@ -10,8 +10,8 @@ multiple of the batch size ends each epoch with a smaller batch; at the first su
 forward (in training, and its backward) a second time, now with a symbolic batch size (its "automatic dynamic"
 shapes), and that second graph then serves every later batch. Marked up front, the first compilation is that
 symbolic graph: one compilation per mode (training, and inference for validation) instead of two. Where every
-batch has one size, a specialised graph needs no symbol and traces faster (a volume run traced 1.2-1.3x as long with
-the batch marked), so the caller asks for the mark only when the batch sizes vary
+batch has one size, a specialised graph needs no symbol and traces faster (a volume run's fit traced 1.2-1.3x as long
+with the batch marked), so the caller asks for the mark only when the batch sizes vary
 (:meth:`vitlab.data.image_data.ImageData.batch_sizes_vary`). ``torch._dynamo.maybe_mark_dynamic`` is a hint: a
 network whose code needs a fixed batch size still gets a specialised graph, and a batch of one is specialised as
 dynamo always does. With ``mode: reduce-overhead`` CUDA graphs are still recorded once per batch size (torch's
