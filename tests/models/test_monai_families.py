@@ -375,7 +375,30 @@ def test_swin_unetr_with_kept_masks_compiles(monkeypatch):
         finally:
             torch._dynamo.reset()
     assert graphs and not kept.masks  # traced (MONAI's call inside the graph), nothing kept
+    assert len(graphs) == 1  # one graph: no break at the input-size check (MONAI's numpy check made two)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(32, 32, 32), (32, 33, 64), (31, 32, 30), (64, 64)])
+def test_the_integer_input_check_refuses_what_monais_refuses_with_its_message(swin, shape):
+    """``install_input_check``: the sides MONAI's numpy check refuses, with its message word for word."""
+    from monai.networks.nets import swin_unetr
+
+    ours = swin_unetr.SwinUNETR._check_input_size
+    monai_check = ours.__wrapped__
+    assert monai_check is not ours
+    spatial = torch.Size(shape)
+    try:
+        monai_check(swin, spatial)
+        expected = None
+    except ValueError as error:
+        expected = str(error)
+    if expected is None:
+        ours(swin, spatial)
+    else:
+        with pytest.raises(ValueError) as caught:
+            ours(swin, spatial)
+        assert str(caught.value) == expected
 
 
 @pytest.mark.parametrize("config", list(SWIN_CONFIGS))
