@@ -1,5 +1,6 @@
 """``model.compile``: the network trains through ``torch.compile`` while checkpoints, Q/K/V callbacks and probes see
-the uncompiled module; AdamW is fused on a GPU only."""
+the uncompiled module; where a split ends with a smaller batch, one graph per mode (a symbolic batch size); AdamW is
+fused on a GPU only."""
 
 from __future__ import annotations
 
