@@ -359,7 +359,7 @@ print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for 
                               "fit_end_s": getattr(timer, "fit_end_s", 0.0),
                               "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
-                              "pyspy_tid": timer.pyspy_tid,
+                              "pyspy_tid": timer.pyspy_tid, "pyspy_window": [PYSPY_SECONDS, PYSPY_RATE],
                               "val_images": len(cli.datamodule.samples("val"))}))
 """
 
@@ -647,7 +647,7 @@ def main() -> None:
         print(run_line(f"{kind}/{variant}", summary, results[f"{kind}/bare"]), flush=True)
         if pyspy is not None and run.get("pyspy_tid") is not None:
             texts = [Path(f"{pyspy}_{k}.txt").read_text() if Path(f"{pyspy}_{k}.txt").exists() else "" for k in ("active", "gil")]
-            summary["pyspy"] = py_spy_summary(*texts, run["pyspy_tid"])
+            summary["pyspy"] = py_spy_summary(*texts, run["pyspy_tid"], *run["pyspy_window"])
             print(py_spy_line(kind, summary["pyspy"]), flush=True)
         # (after every run: a time limit that stops the script later still leaves the runs done so far)
         (root / "bench_gpu.json").write_text(json.dumps(results, indent=1))
@@ -671,9 +671,10 @@ def py_spy_samples(text: str) -> list[tuple[int, str, list[str], int]]:
     return out
 
 
-def py_spy_summary(active: str, gil: str, tid: int) -> dict:
-    """Where the training thread (native id ``tid``) spent py-spy's window: its samples on a CPU and holding the
-    interpreter's lock, the lock's other holders (by thread name), and its top frames (innermost function) of each."""
+def py_spy_summary(active: str, gil: str, tid: int, seconds: float, rate: int) -> dict:
+    """Where the training thread (native id ``tid``) spent py-spy's window (``seconds`` sampled ``rate`` times a
+    second): its samples on a CPU and holding the interpreter's lock, the lock's other holders (by thread name), and
+    its top frames (innermost function) of each, as shares of the window."""
     from collections import Counter
 
     def tally(text):
@@ -689,10 +690,10 @@ def py_spy_summary(active: str, gil: str, tid: int) -> dict:
             top[frames[-1] if frames else "?"] += n
         return total, sum(n for _, n in ours), others, top
 
-    window = PYSPY_WINDOW_SAMPLES
+    window = seconds * rate
     a_total, a_ours, a_others, a_top = tally(active)
     g_total, g_ours, g_others, g_top = tally(gil)
-    return {"window_samples": window, "active_samples": a_total, "gil_samples": g_total,
+    return {"window_s": seconds, "window_samples": window, "active_samples": a_total, "gil_samples": g_total,
             "training_on_cpu": a_ours / window, "training_holds_lock": g_ours / window,
             "lock_held_by_others": {name: n / window for name, n in g_others.most_common(5)},
             "others_on_cpu": {name: n / window for name, n in a_others.most_common(5)},
@@ -700,14 +701,11 @@ def py_spy_summary(active: str, gil: str, tid: int) -> dict:
             "training_top_holding_lock": {frame: n / window for frame, n in g_top.most_common(6)}}
 
 
-PYSPY_WINDOW_SAMPLES = 2 * 200  # the child's PYSPY_SECONDS x PYSPY_RATE: one sample a thread each 5 ms
-
-
 def py_spy_line(kind: str, spy: dict) -> str:
     if not spy["active_samples"] and not spy["gil_samples"]:
         return f"  {kind}: py-spy took no samples (not allowed to read the process?)"
     share = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items()) or "none"
-    return (f"  {kind}: py-spy, 2 s of the first epoch: the training thread on a CPU {spy['training_on_cpu']:.0%} of the time, "
+    return (f"  {kind}: py-spy, {spy['window_s']:g} s of the first epoch: the training thread on a CPU {spy['training_on_cpu']:.0%} of the time, "
             f"holding the interpreter's lock {spy['training_holds_lock']:.0%}; the lock held by other threads: "
             f"{share(spy['lock_held_by_others'])}; other threads on a CPU: {share(spy['others_on_cpu'])}; the training "
             f"thread's innermost frames on a CPU: {share(spy['training_top_on_cpu'])}")

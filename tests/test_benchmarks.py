@@ -126,8 +126,8 @@ def test_the_py_spy_summary_counts_the_training_threads_samples_and_the_locks_ot
         head + "thread (9): vitlab-qkv;run (qkv.py:5) 200",
         head + "thread (11): pin_memory;loop (pin.py:2) 20",
     ])
-    spy = bench.py_spy_summary(active, gil, tid=7)
-    window = bench.PYSPY_WINDOW_SAMPLES
+    spy = bench.py_spy_summary(active, gil, tid=7, seconds=2, rate=200)
+    window = 400
     assert spy["active_samples"] == 360 and spy["gil_samples"] == 320
     assert spy["training_on_cpu"] == pytest.approx(200 / window) and spy["training_holds_lock"] == pytest.approx(100 / window)
     assert spy["lock_held_by_others"] == pytest.approx({"vitlab-qkv": 200 / window, "pin_memory": 20 / window})
@@ -135,4 +135,5 @@ def test_the_py_spy_summary_counts_the_training_threads_samples_and_the_locks_ot
     assert spy["training_top_on_cpu"] == pytest.approx({"step (train.py:10)": 150 / window, "fetch (data.py:3)": 50 / window})
     line = bench.py_spy_line("vit", spy)
     assert "holding the interpreter's lock 25%" in line and "vitlab-qkv 50%" in line
-    assert "no samples" in bench.py_spy_line("vit", bench.py_spy_summary("", "", tid=7))
+    assert "py-spy, 2 s of the first epoch" in line
+    assert "no samples" in bench.py_spy_line("vit", bench.py_spy_summary("", "", tid=7, seconds=2, rate=200))
