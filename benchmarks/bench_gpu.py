@@ -53,7 +53,8 @@ What it runs (about 5 minutes on one H100 / H200):
 
 It prints a line per run as the run ends (with the whole-epoch ratio, over the epochs and each epoch after the
 first; validation's seconds, its waits for batches and its images/s against the bare forward; the first epoch's
-seconds, which hold any compilation), then one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
+seconds, which hold any compilation, and for a compiled run the graphs dynamo compiled and the guards that made it
+compile again), then one table: each measure, vitlab against the bare loop, and the ratios the targets are stated in
 (training steps >= 0.9x the bare loop; whole ViT epochs >= 0.8x the bare loop's time for the same training and
 validation images; Q/K/V callbacks <= 1 % of a ViT epoch; loader wait <= 5 % of the step time), and writes it as
 JSON to ``--out``. Without a CUDA GPU it says so in one line and exits 0; without one of vitlab's dependencies it
@@ -355,13 +356,41 @@ for epoch in timer.epochs:
                 "checkpoints_s": sum(inside("checkpoints")), "ckpt_dump_s": sum(inside("ckpt_dump")),
                 "ckpt_io_s": sum(inside("ckpt_io")), **background_work(epoch["start"], end)})
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-print("RESULT " + json.dumps({"epochs": out, "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
+sys.path.insert(0, "benchmarks")  # (the child runs in the repository root)
+from bench_gpu import compile_stats
+print("RESULT " + json.dumps({"epochs": out, "compile": compile_stats(), "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
                               "fit_end_s": getattr(timer, "fit_end_s", 0.0),
                               "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
                               "pyspy_tid": timer.pyspy_tid, "pyspy_window": [PYSPY_SECONDS, PYSPY_RATE],
                               "val_images": len(cli.datamodule.samples("val"))}))
 """
+
+
+def compile_stats() -> dict | None:
+    """What ``torch.compile`` did in this process: the graphs dynamo compiled, and each time it compiled a function
+    again, the guards of the earlier graphs that failed (dynamo's own words: a changed grad mode, a batch size outside
+    a graph's range, ...). None where nothing was compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.utils import counters, guard_failures
+
+    graphs = counters["stats"]["unique_graphs"]
+    if not graphs:
+        return None
+    again = [f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {reason.strip()}"
+             for code, reasons in guard_failures.items() for reason in reasons]
+    return {"graphs": graphs, "recompiled": again}
+
+
+def compile_line(stats: dict | None) -> str:
+    """``compile_stats`` in words ("" where nothing was compiled)."""
+    if not stats:
+        return ""
+    again = stats.get("recompiled", [])
+    return (f"; compiled {stats['graphs']} graph(s)"
+            + (f", {len(again)} guard failure(s) before compiling again: " + "; ".join(again[:6])
+               + (f"; ... {len(again) - 6} more" if len(again) > 6 else "") if again else ""))
 
 
 def missing_dependencies() -> list[str]:
@@ -582,7 +611,7 @@ def summarise(run: dict) -> dict[str, float]:
             "fit_start_callbacks_s": run["fit_start_callbacks_s"], "fit_end_s": run.get("fit_end_s", 0.0),
             "peak_gib": run["peak_gib"], "workers": run["workers"],
             "background_writes": run.get("background_writes", 0), "qkv_jobs": run.get("qkv_jobs", 0),
-            "threads": run["threads"], "val_images": run["val_images"],
+            "threads": run["threads"], "val_images": run["val_images"], "compile": run.get("compile"),
             "per_epoch": [{key: round(value, 4) if isinstance(value, float) else value for key, value in e.items()}
                           for e in run["epochs"]]}
 
@@ -739,7 +768,7 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             + f") + the rest "
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
             f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); first epoch {run.get('first_epoch_s', 0):.1f} s "
-            f"(with compilation, if any); step median {run.get('median_step_ms', 0):.1f} ms, "
+            f"(with compilation, if any{compile_line(run.get('compile'))}); step median {run.get('median_step_ms', 0):.1f} ms, "
             f"90th percentile {run.get('p90_step_ms', 0):.1f} ms; fit end {run.get('fit_end_s', 0):.2f} s (once a fit: the "
             f"background work drained); the slowest epoch-level hooks per epoch: "
             + (", ".join(f"{key} {seconds:.3f} s" for key, seconds in list(run.get("hooks_s", {}).items())[:6]) or "none")

@@ -137,3 +137,36 @@ def test_the_py_spy_summary_counts_the_training_threads_samples_and_the_locks_ot
     assert "holding the interpreter's lock 25%" in line and "vitlab-qkv 50%" in line
     assert "py-spy, 2 s of the first epoch" in line
     assert "no samples" in bench.py_spy_line("vit", bench.py_spy_summary("", "", tid=7, seconds=2, rate=200))
+
+
+def test_bench_gpu_names_the_graphs_a_compiled_run_compiled_and_why_it_compiled_again():
+    """A compiled run's line says how many graphs dynamo compiled and the guards that failed before each compilation
+    of a function already compiled: what tells, on the GPU, whether a mode compiled once."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()  # (clears dynamo's counters and recorded guard failures)
+    assert bench.compile_stats() is None and bench.compile_line(None) == ""
+
+    def double_sine(x):
+        return x.sin() * 2
+
+    compiled = torch.compile(double_sine, backend="aot_eager", dynamic=False)
+    x = torch.randn(3, generator=torch.Generator().manual_seed(0))
+    compiled(x)
+    compiled(x)  # (the same graph serves)
+    with torch.no_grad():
+        compiled(x)  # the grad mode changed: compiled again
+    compiled(torch.randn(5))  # another size, every shape specialised: again
+    stats = bench.compile_stats()
+    assert stats["graphs"] == 3
+    assert all(reason.startswith("double_sine (test_benchmarks.py:") for reason in stats["recompiled"])
+    assert any("grad_mode" in reason for reason in stats["recompiled"])
+    assert any("size" in reason or "shape" in reason for reason in stats["recompiled"]), stats
+    line = bench.compile_line(stats)
+    assert line.startswith("; compiled 3 graph(s), ") and "grad_mode" in line
+    torch._dynamo.reset()
