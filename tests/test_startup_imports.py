@@ -51,3 +51,34 @@ def test_spectra_probe_parser_and_run_import_no_lightning(tmp_path):
     ran = imported_after(f"from vitlab.probe_cli import probe_main\nprobe_main({argv!r})")
     assert not ran & set(TRAINING_ONLY), sorted(ran & set(TRAINING_ONLY))
     assert (tmp_path / "out" / "spectra.csv").is_file()
+
+
+def test_importing_vitlabs_augmentations_asks_no_server_for_albumentations_updates():
+    """albumentations checks PyPI for a newer version at import unless ``NO_ALBUMENTATIONS_UPDATE`` is set; vitlab
+    sets it (keeping a value the user set), so loading data makes no network request."""
+    probe = (
+        "import urllib.request\n"
+        "calls = []\n"
+        "def refuse(self, *args, **kwargs):\n"
+        "    calls.append(args)\n"
+        "    raise OSError('no network in this test')\n"
+        "urllib.request.OpenerDirector.open = refuse\n"
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import {module}\n"
+        "print('REQUESTS=%d' % len(calls))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "NO_ALBUMENTATIONS_UPDATE"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+    def requests(module: str, **extra: str) -> int:
+        done = subprocess.run([sys.executable, "-c", probe.format(module=module)], cwd=ROOT, env={**env, **extra},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split("REQUESTS=")[-1])
+
+    assert requests("vitlab.data.transforms") == 0
+    import importlib.util
+
+    if importlib.util.find_spec("albumentations.check_version") is not None:  # (releases that still check)
+        assert requests("albumentations") == 1  # without vitlab it asks
+        assert requests("vitlab.data.transforms", NO_ALBUMENTATIONS_UPDATE="0") == 1  # the user's choice is kept
