@@ -380,7 +380,8 @@ def compile_stats() -> dict | None:
         return None
     again = [f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {reason.strip()}"
              for code, reasons in guard_failures.items() for reason in reasons]
-    return {"graphs": graphs, "recompiled": again}
+    # graphs inductor ran without CUDA graphs under mode reduce-overhead (TORCH_LOGS=cudagraphs says why)
+    return {"graphs": graphs, "recompiled": again, "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 def compile_line(stats: dict | None) -> str:
@@ -388,7 +389,9 @@ def compile_line(stats: dict | None) -> str:
     if not stats:
         return ""
     again = stats.get("recompiled", [])
+    skips = stats.get("cudagraph_skips", 0)
     return (f"; compiled {stats['graphs']} graph(s)"
+            + (f", {skips} run without CUDA graphs (TORCH_LOGS=cudagraphs says why)" if skips else "")
             + (f", {len(again)} guard failure(s) before compiling again: " + "; ".join(again[:6])
                + (f"; ... {len(again) - 6} more" if len(again) > 6 else "") if again else ""))
 

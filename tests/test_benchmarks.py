@@ -167,6 +167,8 @@ def test_bench_gpu_names_the_graphs_a_compiled_run_compiled_and_why_it_compiled_
     assert all(reason.startswith("double_sine (test_benchmarks.py:") for reason in stats["recompiled"])
     assert any("grad_mode" in reason for reason in stats["recompiled"])
     assert any("size" in reason or "shape" in reason for reason in stats["recompiled"]), stats
+    assert stats["cudagraph_skips"] == 0  # (no CUDA graphs asked for)
     line = bench.compile_line(stats)
-    assert line.startswith("; compiled 3 graph(s), ") and "grad_mode" in line
+    assert line.startswith("; compiled 3 graph(s), 3 guard failure(s)") and "grad_mode" in line
+    assert "run without CUDA graphs" in bench.compile_line({**stats, "cudagraph_skips": 2})
     torch._dynamo.reset()
