@@ -41,7 +41,7 @@ if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
     {
         timeout "${TESTS_S:-150}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_checkpoint_writer.py \
             tests/data/test_device_normalize.py tests/training/test_step_syncs.py \
-            tests/training/test_compile.py 2>&1 | tail -25
+            tests/training/test_compile.py tests/test_runtime.py 2>&1 | tail -25
         echo "gpu_session: CUDA tests exit status ${PIPESTATUS[0]}"
     } 2>&1 | tee "$out/cudatests.txt"
 fi

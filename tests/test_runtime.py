@@ -69,6 +69,65 @@ def test_apply_sets_torch_threads():
         torch.set_num_threads(before)
 
 
+@pytest.fixture
+def cuda_matmul_flag():
+    """torch's CUDA TF32 switch for matrix products, put back after the test."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_tf32_auto_is_on_for_a_gpu_run_only_and_a_choice_made_is_kept(cuda_matmul_flag, monkeypatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert Runtime().resolved(True, cores=16).tf32 is True
+    assert Runtime().resolved(False, cores=16).tf32 == "auto"  # (on the CPU nothing is set)
+    assert Runtime(tf32=False).resolved(True, cores=16).tf32 is False and Runtime(tf32=True).resolved(False, cores=2).tf32 is True
+    torch.backends.cuda.matmul.allow_tf32 = True  # this process chose a precision already: auto keeps it
+    assert Runtime().resolved(True, cores=16).tf32 == "auto"
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def mixed():
+        raise RuntimeError("PyTorch is checking the matmul precision without a specific backend name")
+
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", mixed)  # (torch's answer once its APIs were mixed)
+    assert Runtime().resolved(True, cores=16).tf32 == "auto"
+
+
+def test_apply_switches_cudas_float32_products_and_leaves_the_cpus(cuda_matmul_flag):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a, b = torch.randn(48, 40, dtype=torch.float32), torch.randn(40, 32, dtype=torch.float32)
+    full = a @ b
+    Runtime(threads=torch.get_num_threads(), tf32=True).apply()
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+    assert torch.equal(a @ b, full)  # the CPU's products unchanged
+    Runtime(threads=torch.get_num_threads(), tf32=False).apply()
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    Runtime(threads=torch.get_num_threads()).apply()  # auto, unresolved or resolved on the CPU: left as it is
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
+def test_the_runtime_line_says_how_the_gpu_multiplies(cuda_matmul_flag):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    line = Runtime().resolved(True, cores=16).describe(16, True)
+    assert "the GPU's float32 products in TF32" in line and "runtime.threads / workers / figures / tf32" in line
+    assert "full float32" in Runtime(tf32=False).resolved(True, cores=16).describe(16, True)
+    assert "float32" not in Runtime().resolved(False, cores=2).describe(2, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_fit_multiplies_in_tf32_without_lightnings_precision_warning(tiny_dataset, tmp_path, cuda_matmul_flag, capfd):
+    from tests.helpers.runs import tiny_args
+    from vitlab.cli import fit
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    extra = ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.limit_train_batches", "2"]
+    cli = fit(tiny_args(tiny_dataset, tmp_path, epochs=1, extra=extra))
+    assert cli.trainer.global_step == 2 and torch.backends.cuda.matmul.allow_tf32  # (set for the process)
+    err = capfd.readouterr().err
+    assert "float32 products in TF32" in err and "set_float32_matmul_precision" not in err  # (Lightning's advice)
+
+
 @pytest.mark.slow
 def test_the_entry_points_bound_openmp_spinning_and_importing_vitlab_does_not():
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -207,7 +266,7 @@ def test_same_seed_same_numbers_beside_a_busy_process_and_from_the_saved_config(
     base = ["--runtime.threads", "2", "--trainer.max_epochs", "2"]
     quiet_run, quiet, quiet_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "quiet", extra=base))
     saved = yaml.safe_load((quiet_run / "config.yaml").read_text())
-    assert saved["runtime"] == {"threads": 2, "workers": 0, "figures": "auto"}
+    assert saved["runtime"] == {"threads": 2, "workers": 0, "figures": "auto", "tf32": "auto"}  # (no GPU: left as it is)
     assert "vitlab: runtime: 2 torch thread(s), 0 loader worker(s)" in capfd.readouterr().err
 
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -140,6 +140,7 @@ class VitlabCLI(LightningCLI):
         self.runtime_line = self.runtime.describe(available_cores(), gpu)  # printed once the run is set up
         self._recipe = cli_support.clean_recipe(self.config)
         self._recipe.runtime.threads, self._recipe.runtime.workers = self.runtime.threads, self.runtime.workers
+        self._recipe.runtime.tf32 = self.runtime.tf32  # (auto resolved on a GPU: its products are part of the numbers)
         ckpt_path = self.config.get("ckpt_path")
         if not ckpt_path:
             return

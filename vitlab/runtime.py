@@ -145,17 +145,28 @@ class Runtime:
             cores the threads leave less one, between 1 and 12 (decoding and augmenting keep the GPU fed).
         figures: ``auto``: figures drawn by a separate worker process beside training; ``inline``: in the
             training process (slower, simplest); ``off``: no figures (scalars, histograms and tables only).
+        tf32: The GPU's float32 matrix products in TensorFloat-32 (its tensor cores: several times the float32
+            rate on Ampere and later, products rounded to 10 bits of mantissa on input, sums in float32).
+            ``auto``: on when the run trains on a GPU, as timm's ``train.py`` does, unless this process already
+            chose a float32 matmul precision (``torch.set_float32_matmul_precision``); ``true`` / ``false``: on /
+            off (``false``: full float32 products). CUDA's matrix products only
+            (``torch.backends.cuda.matmul.allow_tf32``): the CPU's numbers never change, cuDNN's convolutions use
+            TF32 by default in PyTorch either way, and a ``bf16-mixed`` run makes most products in bf16 anyway.
+            Set for the process, as ``threads`` is.
     """
 
     threads: int | Literal["auto"] = "auto"
     workers: int | Literal["auto"] = "auto"
     figures: Literal["auto", "inline", "off"] = "auto"
+    tf32: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         self.threads = _count(self.threads, "threads", 1)
         self.workers = _count(self.workers, "workers", 0)
         if self.figures not in FIGURE_MODES:
             raise ValueError(f"runtime.figures must be one of {', '.join(FIGURE_MODES)}, got {self.figures!r}")
+        if self.tf32 != "auto" and not isinstance(self.tf32, bool):
+            raise ValueError(f"runtime.tf32 must be 'auto', true or false, got {self.tf32!r}")
 
     def resolved(self, gpu: bool, cores: int | None = None) -> Runtime:
         """The same choices with ``auto`` replaced by numbers for a machine of ``cores`` (default: this one's)."""
@@ -175,21 +186,42 @@ class Runtime:
                 workers = max(1, min(12, cores - threads - 1))
             else:
                 workers = 0 if cores <= 2 else min(2, cores - 1)
-        return Runtime(threads, workers, self.figures)
+        tf32 = self.tf32
+        if tf32 == "auto" and gpu and _default_matmul_precision():
+            tf32 = True
+        return Runtime(threads, workers, self.figures, tf32)
 
     def apply(self) -> None:
-        """torch on ``threads`` threads (resolved). (OpenCV runs on one thread in every process that loads data:
+        """torch on ``threads`` threads, and CUDA's float32 products in TF32 or not (resolved: ``auto`` left as
+        it is). (OpenCV runs on one thread in every process that loads data:
         :func:`vitlab.data.transforms.single_opencv_thread`, made by the loaders.)"""
         import torch
 
         if isinstance(self.threads, int) and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        if isinstance(self.tf32, bool):
+            # (the switch torch.get_float32_matmul_precision reads, which Lightning asks on a GPU: torch refuses to
+            # answer once its per-backend precision settings are mixed with this one, so this one alone is used)
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
 
     def describe(self, cores: int, gpu: bool) -> str:
         where = {"auto": "by a figure worker process", "inline": "in the training process", "off": "off"}[self.figures]
-        return (f"vitlab: runtime: {self.threads} torch thread(s), {self.workers} loader worker(s), figures {where} "
-                f"({cores} core(s){', GPU' if gpu else ', no GPU'}; threads change the numbers, workers do not; "
-                "set runtime.threads / workers / figures to change)")
+        products = ""
+        if gpu and isinstance(self.tf32, bool):
+            products = ", the GPU's float32 products in " + ("TF32" if self.tf32 else "full float32")
+        return (f"vitlab: runtime: {self.threads} torch thread(s), {self.workers} loader worker(s), figures {where}"
+                f"{products} ({cores} core(s){', GPU' if gpu else ', no GPU'}; threads change the numbers, workers do "
+                f"not; set runtime.threads / workers / figures{' / tf32' if products else ''} to change)")
+
+
+def _default_matmul_precision() -> bool:
+    """Whether this process left torch's float32 matmul precision at its default (full float32)."""
+    import torch
+
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # (torch refuses to answer when its legacy and per-backend settings were mixed: a choice)
+        return False
 
 
 @contextlib.contextmanager
