@@ -144,3 +144,20 @@ def test_batches_normalised_on_cuda_equal_the_loaders(tiny_dataset):
     for (x, y), (raw, labels) in zip(_batches(here, "train"), _batches(there, "train"), strict=True):
         images, _ = there.on_after_batch_transfer([raw.cuda(), labels.cuda()], 0)
         assert images.is_cuda and torch.equal(images.cpu(), x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_label_maps_sent_as_bytes_are_the_label_maps_again():
+    """Beside a GPU the workers send a dense batch's label maps as uint8 (``narrow_label_maps``); after the transfer
+    Lightning's hook widens them on the GPU: the int64 label maps a loader without workers gives."""
+    kwargs = dict(root=None, embedded_kwargs={"patients": 4, "slices": 2, "size": 32, "difficulty": 0.0}, image_size=32,
+                  batch_size=3, augment="default", val_fraction=0.34)
+    here, there = DenseDataModule(**kwargs, num_workers=0), DenseDataModule(**kwargs, num_workers=1)
+    there.narrow_label_maps = True
+    for (x, targets), (raw, sent) in zip(_batches(here, "train"), _batches(there, "train"), strict=True):
+        assert all(t["mask"].dtype == torch.uint8 for t in sent)
+        moved = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in t.items()} for t in sent]
+        images, widened = there.on_after_batch_transfer((raw.cuda(), moved), 0)
+        assert torch.equal(images.cpu(), x)
+        for a, b in zip(targets, widened, strict=True):
+            assert b["mask"].is_cuda and b["mask"].dtype == torch.int64 and torch.equal(b["mask"].cpu(), a["mask"])

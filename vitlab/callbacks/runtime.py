@@ -48,6 +48,10 @@ class RuntimeCallback(pl.Callback):
     callbacks' work of the epochs it covers is on disk (the figures still pending then are the ones it lists, the
     loggers flushed), so a checkpoint costs the GPU no idle time and still never exists before what it covers.
 
+    **Label maps a byte a voxel on their way to the GPU.** When the run trains on a GPU, a dense data module's loader
+    workers send the label maps as uint8 (:attr:`vitlab.data.dense_data.DenseImageData.narrow_label_maps`), widened
+    to int64 on the device.
+
     **Batches normalised on the GPU.** When the run trains on a GPU, the data module's loaders leave the pipelines'
     final Normalize to the device (:attr:`vitlab.data.image_data.ImageData.normalize_on_device`): the workers collate,
     and the training process pins and copies, the images before it (a gray image for a model of three channels: a
@@ -87,6 +91,9 @@ class RuntimeCallback(pl.Callback):
             strategy = getattr(trainer, "strategy", None)
             on_gpu = strategy is not None and strategy.root_device.type == "cuda"
             datamodule.normalize_on_device = self.normalize == "device" or (self.normalize == "auto" and on_gpu)
+        if hasattr(datamodule, "narrow_label_maps"):  # label maps from the workers as uint8, widened on the GPU
+            strategy = getattr(trainer, "strategy", None)
+            datamodule.narrow_label_maps = strategy is not None and strategy.root_device.type == "cuda"
         if stage == "fit":
             self._write_checkpoints_in_background(trainer)
         if stage != "fit" or not trainer.is_global_zero:

@@ -7,15 +7,20 @@ from __future__ import annotations
 import pytorch_lightning as pl
 
 from vitlab.data.dense_data import DenseImageData
+from vitlab.data.datasets.targets import widen_label_maps
 from vitlab.data.image_data import ImageData
 
 
 class _NormalizeOnDevice:
     """Lightning's hook after a batch reaches its device: images that the loaders left unnormalised
-    (:attr:`ImageData.normalize_on_device`) are normalised there."""
+    (:attr:`ImageData.normalize_on_device`) are normalised there, and label maps that travelled narrow (a loader
+    worker's :class:`~vitlab.data.datasets.targets.PackedTargets`) are widened back to int64."""
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        return self.normalize_batch(batch)
+        batch = self.normalize_batch(batch)
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], list):
+            batch = type(batch)([batch[0], widen_label_maps(batch[1])])
+        return batch
 
 
 class MedicalDataModule(_NormalizeOnDevice, ImageData, pl.LightningDataModule):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from vitlab.data.image_data import ImageData
 from vitlab.data.boxes import scan_coco
 from vitlab.data.datasets.targets import DenseDataset, check_masks, dense_collate
@@ -41,6 +43,16 @@ class DenseImageData(ImageData):
         self.arguments.update(mask_classes=self.mask_classes, coco_json=coco_json, coco_mask_dir=coco_mask_dir)
 
     needs_masks = True  # (volumes: each needs its label map)
+
+    narrow_label_maps = False
+    """Whether the loaders made from now on send their batches' label maps from the workers as uint8
+    (:class:`~vitlab.data.datasets.targets.PackedTargets`), widened to int64 again on the device: ``train.py`` beside a
+    GPU (:class:`vitlab.callbacks.RuntimeCallback` sets it before the loaders are made). Never a hyperparameter."""
+
+    def batch_collate(self):
+        if self.narrow_label_maps and self.collate_fn is dense_collate:
+            return functools.partial(dense_collate, narrow_label_maps=True)
+        return self.collate_fn
 
     def _prepare(self) -> list[Sample]:
         if self._samples is not None:

@@ -343,6 +343,10 @@ class ImageData:
 
     collate_fn = None  # (the dense data module's batches of targets)
 
+    def batch_collate(self):
+        """The loaders' ``collate_fn``: torch's default, or the data's own (:attr:`collate_fn`)."""
+        return self.collate_fn
+
     _normalize_on_device = False
     _device_normalization = None  # (means, reciprocal stds) as float32 arrays, once a loader leaves them to the batch
     _normalization_on: dict = {}  # device -> the same as tensors there
@@ -401,7 +405,7 @@ class ImageData:
         whole = not train and self.volume_options is not None and self.volume_options.own_size
         return (EpochLoader if train else DataLoader)(
             dataset, batch_size=1 if whole else self.batch_size, sampler=sampler, num_workers=workers, persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.collate_fn,
+            pin_memory=torch.cuda.is_available(), worker_init_fn=seed_worker, collate_fn=self.batch_collate(),
             # worker seeds from a generator of the loader's own, not torch's global stream: 0 workers (an iterator
             # per epoch) and persistent workers (one) then leave the same draws for the model's dropout / drop path
             generator=torch.Generator().manual_seed(self.seed),
