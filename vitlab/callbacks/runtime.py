@@ -87,13 +87,12 @@ class RuntimeCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         datamodule = getattr(trainer, "datamodule", None)
+        strategy = getattr(trainer, "strategy", None)
+        on_gpu = strategy is not None and strategy.root_device.type == "cuda"
         if hasattr(datamodule, "normalize_on_device"):  # (before the loaders are made)
-            strategy = getattr(trainer, "strategy", None)
-            on_gpu = strategy is not None and strategy.root_device.type == "cuda"
             datamodule.normalize_on_device = self.normalize == "device" or (self.normalize == "auto" and on_gpu)
         if hasattr(datamodule, "narrow_label_maps"):  # label maps from the workers as uint8, widened on the GPU
-            strategy = getattr(trainer, "strategy", None)
-            datamodule.narrow_label_maps = strategy is not None and strategy.root_device.type == "cuda"
+            datamodule.narrow_label_maps = on_gpu
         if stage == "fit":
             self._write_checkpoints_in_background(trainer)
         if stage != "fit" or not trainer.is_global_zero:

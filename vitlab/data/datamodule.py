@@ -11,7 +11,7 @@ from vitlab.data.datasets.targets import widen_label_maps
 from vitlab.data.image_data import ImageData
 
 
-class _NormalizeOnDevice:
+class _AfterTransfer:
     """Lightning's hook after a batch reaches its device: images that the loaders left unnormalised
     (:attr:`ImageData.normalize_on_device`) are normalised there, and label maps that travelled narrow (a loader
     worker's :class:`~vitlab.data.datasets.targets.PackedTargets`) are widened back to int64."""
@@ -23,7 +23,7 @@ class _NormalizeOnDevice:
         return batch
 
 
-class MedicalDataModule(_NormalizeOnDevice, ImageData, pl.LightningDataModule):
+class MedicalDataModule(_AfterTransfer, ImageData, pl.LightningDataModule):
     """:class:`~vitlab.data.image_data.ImageData` as a LightningDataModule (classification, DINO)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -32,7 +32,7 @@ class MedicalDataModule(_NormalizeOnDevice, ImageData, pl.LightningDataModule):
         self.save_hyperparameters(self.arguments)
 
 
-class DenseDataModule(_NormalizeOnDevice, DenseImageData, pl.LightningDataModule):
+class DenseDataModule(_AfterTransfer, DenseImageData, pl.LightningDataModule):
     """:class:`~vitlab.data.dense_data.DenseImageData` as a LightningDataModule (detection, segmentation)."""
 
     def __init__(self, *args, **kwargs) -> None:
