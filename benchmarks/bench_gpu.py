@@ -192,6 +192,11 @@ class EpochTimer(pl.Callback):
         if batch_idx + 1 >= trainer.num_training_batches:  # the last step's end (the epoch's validation runs next)
             sync()
             self.current["last"] = time.perf_counter()
+    def on_sanity_check_start(self, trainer, pl_module):  # (with model.compile: the inference graph compiles here)
+        self.sanity_start = time.perf_counter()
+    def on_sanity_check_end(self, trainer, pl_module):
+        sync()
+        self.sanity_s = time.perf_counter() - self.sanity_start
     def on_validation_start(self, trainer, pl_module):
         if self.current is not None and not trainer.sanity_checking:
             sync()
@@ -358,7 +363,7 @@ for epoch in timer.epochs:
 memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 sys.path.insert(0, "benchmarks")  # (the child runs in the repository root)
 from bench_gpu import compile_stats
-print("RESULT " + json.dumps({"epochs": out, "compile": compile_stats(), "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
+print("RESULT " + json.dumps({"epochs": out, "compile": compile_stats(), "sanity_s": getattr(timer, "sanity_s", 0.0), "fit_start_callbacks_s": sum(s for _, s in spans["fit_start"]),
                               "fit_end_s": getattr(timer, "fit_end_s", 0.0),
                               "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
@@ -595,7 +600,7 @@ def summarise(run: dict) -> dict[str, float]:
             "images_per_epoch": images / len(epochs), "fetch_ms_per_step": 1e3 * sum(e["fetch_s"] for e in epochs) / steps,
             "step_ms": 1e3 * train_s / steps, "val_s": sum(e.get("val_s", 0.0) for e in epochs) / len(epochs),
             "val_fetch_s": sum(e.get("val_fetch_s", 0.0) for e in epochs) / len(epochs),
-            "first_epoch_s": run["epochs"][0]["epoch_s"],
+            "first_epoch_s": run["epochs"][0]["epoch_s"], "sanity_s": run.get("sanity_s", 0.0),
             "train_s": train_s / len(epochs), "median_step_ms": 1e3 * statistics.median(e.get("median_step_s", 0.0) for e in epochs),
             "p90_step_ms": 1e3 * statistics.median(e.get("p90_step_s", 0.0) for e in epochs),
             "to_first_s": sum(e.get("to_first_s", 0.0) for e in epochs) / len(epochs),
@@ -752,6 +757,7 @@ def bare_epoch_s(run: dict, bare: dict, epoch: dict | None = None) -> float:
 
 
 def run_line(name: str, run: dict, bare: dict) -> str:
+    first = (run.get("per_epoch") or [{}])[0]
     per_epoch = " / ".join(f"{bare_epoch_s(run, bare, e) / e['epoch_s']:.2f}" for e in run.get("per_epoch", [])[1:] if e.get("epoch_s"))
     return (f"{name:28s} steps {run['train_ips']:8.1f} img/s = {run['train_ips'] / bare['train_ips']:5.2f}x bare "
             f"({bare['train_ips']:.1f})"
@@ -771,7 +777,9 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             + f") + the rest "
             f"{run['epoch_s'] - run.get('train_s', 0) - run.get('val_s', 0):.2f} s (after validation {run.get('after_val_s', 0):.2f} s, "
             f"epoch start to first batch {run.get('to_first_s', 0):.2f} s); first epoch {run.get('first_epoch_s', 0):.1f} s "
-            f"(with compilation, if any{compile_line(run.get('compile'))}); step median {run.get('median_step_ms', 0):.1f} ms, "
+            f"(steps {first.get('train_s', 0):.1f} + validation {first.get('val_s', 0):.1f} s"
+            + (f", after Lightning's sanity check {run['sanity_s']:.1f} s" if run.get("sanity_s") else "")
+            + f"; with compilation, if any{compile_line(run.get('compile'))}); step median {run.get('median_step_ms', 0):.1f} ms, "
             f"90th percentile {run.get('p90_step_ms', 0):.1f} ms; fit end {run.get('fit_end_s', 0):.2f} s (once a fit: the "
             f"background work drained); the slowest epoch-level hooks per epoch: "
             + (", ".join(f"{key} {seconds:.3f} s" for key, seconds in list(run.get("hooks_s", {}).items())[:6]) or "none")
