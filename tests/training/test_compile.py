@@ -21,7 +21,7 @@ def test_compile_option_values():
 
 
 @pytest.mark.slow
-def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_dataset, tmp_path):
+def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_dataset, tmp_path, capfd):
     from tests.helpers.runs import tiny_args
     from vitlab.cli import fit
     from vitlab.qkv.state import load_snapshot
@@ -35,6 +35,8 @@ def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_datas
     start = _graphs()
     compiled = fit(tiny_args(tiny_dataset, tmp_path / "compiled", epochs=1, extra=["--model.compile", "{backend: aot_eager}", *five]))
     assert _graphs() - start == 2  # one for training, one for validation, whatever the last batches' sizes
+    err = capfd.readouterr().err  # the user is told when the compilation happens
+    assert err.count("vitlab: model.compile: the network compiles at the first batches") == 1 and "torch keeps it" not in err
     assert getattr(compiled.model.model, "_compiled_call_impl", None) is not None  # trained through the compiled forward
     assert getattr(plain.model.model, "_compiled_call_impl", None) is None
     assert compiled.trainer.global_step == plain.trainer.global_step > 0
@@ -52,6 +54,18 @@ def test_compiled_fit_trains_and_writes_what_an_uncompiled_one_writes(tiny_datas
     ckpt = tmp_path / "compiled" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     probe_main(["spectra", "--checkpoint", str(ckpt), "--out", str(tmp_path / "probe")])
     assert (tmp_path / "probe").is_dir()
+
+
+def test_the_compile_notice_names_the_folder_torch_keeps_the_compilation_in(monkeypatch):
+    from vitlab.models import compile_notice
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/shared/torch-cache")
+    assert compile_notice({}).endswith("torch keeps it in /shared/torch-cache, where later runs of this model and batch "
+                                       "size find it")
+    assert compile_notice({"mode": "reduce-overhead"}) == compile_notice({})
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert "torchinductor_" in compile_notice({})  # (torch's default folder)
+    assert compile_notice({"backend": "aot_eager"}).endswith("on an H200)")  # (no cache of inductor's to name)
 
 
 def _graphs() -> int:

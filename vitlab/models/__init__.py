@@ -39,7 +39,7 @@ from vitlab.models.anatomy import (
 from vitlab.models.attention import AttentionRecord, dense_window_attention, record_attention
 from vitlab.models.build import build_model, normalization
 from vitlab.models.capture import CAPTURE_SITES, Capture, capture, forward_until
-from vitlab.models.compiled import compile_in_place, is_compiled
+from vitlab.models.compiled import compile_in_place, compile_notice, is_compiled
 from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
 from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError, WeightsMismatchError
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
@@ -74,6 +74,7 @@ __all__ = [
     "capture",
     "check_volume_size",
     "compile_in_place",
+    "compile_notice",
     "dense_window_attention",
     "embeddings",
     "families_table",

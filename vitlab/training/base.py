@@ -8,6 +8,7 @@ A task module sets ``self.model`` (a classifier, or a detector / segmenter whose
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import pytorch_lightning as pl
@@ -146,6 +147,8 @@ class TaskModule(pl.LightningModule):
             varying = getattr(data, "batch_sizes_vary", None)
             symbolic = bool(varying(self._trainer.world_size)) if callable(varying) else False
             models.compile_in_place(self.model, symbolic_batch=symbolic, **self.compile_options)
+            if self._trainer is None or self._trainer.is_global_zero:
+                print(models.compile_notice(self.compile_options), file=sys.stderr)
 
     def _track_best(self, values: dict[str, Any]) -> None:
         """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""
