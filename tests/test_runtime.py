@@ -97,9 +97,12 @@ def test_apply_switches_cudas_float32_products_and_leaves_the_cpus(cuda_matmul_f
     torch.backends.cuda.matmul.allow_tf32 = False
     a, b = torch.randn(48, 40, dtype=torch.float32), torch.randn(40, 32, dtype=torch.float32)
     full = a @ b
+    cpu_precision = torch.backends.mkldnn.matmul.fp32_precision  # (oneDNN's: what the CPU's float32 products follow)
     Runtime(threads=torch.get_num_threads(), tf32=True).apply()
     assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
-    assert torch.equal(a @ b, full)  # the CPU's products unchanged
+    # the CPU's products unchanged: its setting left alone (a CPU without TF32 units gives the same products either
+    # way, so the setting is what says so on every machine)
+    assert torch.backends.mkldnn.matmul.fp32_precision == cpu_precision and torch.equal(a @ b, full)
     Runtime(threads=torch.get_num_threads(), tf32=False).apply()
     assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
     torch.backends.cuda.matmul.allow_tf32 = True
