@@ -125,7 +125,8 @@ def test_a_gray_image_augmented_once_then_repeated_is_the_repeated_images_augmen
                 transform.set_random_state(np.random.default_rng(seed), random.Random(seed))
                 results.append(transform(image=start.copy())["image"])
             assert results[0].shape == (size, size, 3)
-            np.testing.assert_array_equal(results[0], results[1], err_msg=f"{recipe}, seed {seed}, {image.shape}")
+            np.testing.assert_array_equal(results[0], results[1], err_msg=f"{recipe}, seed {seed}, {image.shape}, OpenCV "
+                                          f"{cv2.__version__} (constraints.txt pins the version these paths agree on)")
 
 
 def test_the_pipelines_survive_albumentations_serialisation():
