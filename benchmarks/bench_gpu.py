@@ -36,6 +36,13 @@ What it runs (about 5 minutes on one H100 / H200):
    every thread, once for the threads on a CPU and once for the thread holding the interpreter's lock): the share
    of that time the training thread ran and held the lock, the lock's other holders by thread name, and the
    training thread's innermost frames (``pyspy_<task>_{active,gil}.txt`` beside the results). The default runs
+   also run a paired probe in their last epoch (the first in a 2-epoch run, whose last epoch is profiled): between
+   consecutive training steps (up to 8 pairs, each step synchronised at both ends, left out of the epoch's figures)
+   the training thread runs one step of the bare loop (its own copy of the network, built at the train start), the
+   fit's loader workers and threads running as they do. vitlab's step against that bare step says what the fit's
+   step itself costs; that bare step against the bare loop's step in a process of its own says what the fit's
+   process costs any step (its cores, threads and interpreter's lock): which of the two holds an eager step below
+   the bare loop's speed. The default runs
    also profile 5 steps in the middle of the second epoch (``torch.profiler``, tables written beside the results); those steps, the
    profiler's start and stop and the tables' writing are left out of that epoch's figures (the time left out is
    printed).
@@ -115,6 +122,14 @@ import os
 PROFILE = os.environ.get("BENCH_PROFILE")  # a file for torch.profiler's tables of 5 steps in the middle of the second epoch
 PYSPY = os.environ.get("BENCH_PYSPY")  # a file stem for py-spy's samples of the first epoch (py-spy on PATH)
 PYSPY_SECONDS, PYSPY_RATE = 2, 200
+# the paired probe (BENCH_PAIRED: the task; BENCH_SIZE: full or smoke): in the last epoch, a bare training step of the
+# same network (bench_gpu.bare_setup: its own copy, random batch on the device, one AdamW group) run between
+# consecutive training steps on the training thread, each synchronised at both ends, the fit's threads and loader
+# workers running as they do: is a step slow in this process because of what the fit's step does, or because of
+# the process it runs in?
+PAIRED = os.environ.get("BENCH_PAIRED")
+def streams_kept():  # (the bare steps draw their drop path from streams the fit's own draws do not see)
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
 
 def start_py_spy():
     # two py-spy samplers of this process for PYSPY_SECONDS, every thread, the process not stopped (--nonblocking):
@@ -171,6 +186,8 @@ class EpochTimer(pl.Callback):
         self.epochs, self.current, self.fit_start = [], None, {}
         self.prof, self.prof_first = None, 20
         self.pyspy_tid = None
+        self.bare = None  # (step, batch size) of the paired probe, made at the train start (BENCH_PAIRED)
+        self.pairs, self.pair_marks = [], None
     def setup(self, trainer, pl_module, stage):
         owners = [(type(cb).__name__, cb) for cb in trainer.callbacks if cb is not self] + [(type(pl_module).__name__, pl_module)]
         for name, owner in owners:
@@ -180,14 +197,64 @@ class EpochTimer(pl.Callback):
                     object.__setattr__(owner, hook, timed_hook(fn, f"{name}.{hook}"))
         for logger in trainer.loggers:
             object.__setattr__(logger, "save", timed_hook(logger.save, f"{type(logger).__name__}.save"))
+    def on_train_start(self, trainer, pl_module):
+        if PAIRED:  # (before the first epoch's clock starts: built and warmed up outside the epochs' figures)
+            sys.path.insert(0, "benchmarks")
+            from bench_gpu import SIZES, bare_setup
+            try:  # (a probe that cannot run, out of memory say, leaves the run's own figures)
+                with streams_kept(), torch.enable_grad():
+                    model, step, x = bare_setup(PAIRED, SIZES[os.environ["BENCH_SIZE"]], pl_module.device.type)
+                    for _ in range(3):
+                        step()
+                sync()
+                self.bare = (step, len(x))
+            except Exception as error:
+                print(f"bench_gpu: the paired probe does not run: {type(error).__name__}: {error}", file=sys.stderr)
+    def paired_window(self, trainer):
+        # (epoch, the batches between which the bare steps run): the last epoch where it is not the profiled one, else
+        # the first (left out of the figures; past py-spy's window), else after the profiled steps
+        n, last = trainer.num_training_batches, trainer.max_epochs - 1
+        profiled = min(1, last) if PROFILE else None
+        epoch, start = (last, n // 4) if last != profiled else (0, n // 2) if last > 0 else (0, max(1, n // 2 - 2) + 5)
+        pairs = max(0, min(8, n // 3, n - 1 - start))
+        return epoch, range(start, start + pairs + 1) if pairs else range(0)
+    def paired_probe(self, trainer, batch_idx, batch):
+        # at the start of each batch in the window: the previous step's end (synchronised), then a bare step between
+        # it and this one; the window's time, steps and images are left out of the epoch's figures
+        if self.bare is None:
+            return
+        epoch, window = self.paired_window(trainer)
+        if trainer.current_epoch != epoch or batch_idx not in window:
+            return
+        before = time.perf_counter()
+        sync()
+        now = time.perf_counter()
+        if self.pair_marks is None:  # (the window's first synchronisation: its wait left out too)
+            self.current.setdefault("excluded", []).append(
+                {"kind": "paired", "seconds": now - before, "steps": 0, "images": 0, "gaps": (batch_idx - 1, batch_idx)})
+        else:  # the vitlab step that just ended: (start, its hooks' end on the host clock)
+            start, host_end = self.pair_marks
+            with streams_kept(), torch.enable_grad():
+                self.bare[0]()
+                launched = time.perf_counter()
+                sync()
+            done = time.perf_counter()
+            self.pairs.append({"epoch": trainer.current_epoch, "vitlab_s": now - start, "vitlab_host_s": host_end - start,
+                               "bare_s": done - now, "bare_host_s": launched - now})
+            self.current.setdefault("excluded", []).append({"kind": "paired", "seconds": done - start, "steps": 1,
+                                                            "images": len(batch[0]), "gaps": (batch_idx - 1, batch_idx + 1)})
+            now = time.perf_counter()
+        self.pair_marks = (now, None) if batch_idx != window[-1] else None
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.pair_marks is not None and self.pair_marks[1] is None:
+            self.pair_marks = (self.pair_marks[0], time.perf_counter())  # (no sync: the step's hooks have launched it)
         if self.prof is not None and batch_idx == self.prof_first + 4:
             sync()
             self.prof.__exit__(None, None, None)
             write_profile(self.prof, batch_idx - self.prof_first + 1)
             self.prof = None
             sync()  # (the profiled steps, the profiler and its tables are left out of the epoch's figures)
-            window = self.current["excluded"]
+            window = next(w for w in reversed(self.current["excluded"]) if w["kind"] == "profile")
             window.update(seconds=time.perf_counter() - window.pop("start"), gaps=(self.prof_first, batch_idx + 1))
         if batch_idx + 1 >= trainer.num_training_batches:  # the last step's end (the epoch's validation runs next)
             sync()
@@ -222,6 +289,7 @@ class EpochTimer(pl.Callback):
         if self.current["first"] is None:
             sync()
             self.current["first"] = time.perf_counter()
+        self.paired_probe(trainer, batch_idx, batch)
         self.current["marks"].append(time.perf_counter())  # (host clock, no sync: the spread of the steps)
         self.current["images"] += len(batch[0])
         self.current["steps"] += 1
@@ -235,7 +303,8 @@ class EpochTimer(pl.Callback):
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             sync()
-            self.current["excluded"] = {"start": time.perf_counter(), "steps": 5, "images": 5 * len(batch[0])}
+            self.current.setdefault("excluded", []).append({"kind": "profile", "start": time.perf_counter(), "steps": 5,
+                                                            "images": 5 * len(batch[0])})
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
     def on_train_end(self, trainer, pl_module):  # the last epoch ends here: its epoch-end hooks and checkpoints are done
@@ -345,16 +414,20 @@ out = []
 for epoch in timer.epochs:
     end = epoch["start"] + epoch["epoch_s"]
     inside = lambda key, a=epoch["start"], b=end: [s for t, s in spans[key] if a <= t <= b]
-    # a profiled window (the default run's second epoch): its steps, images and seconds are left out
-    window = epoch.get("excluded", {"seconds": 0.0, "steps": 0, "images": 0, "gaps": (0, 0)})
+    # the profiled window (the default run's second epoch) and the paired probe's steps (its last): their steps,
+    # images and seconds are left out
+    windows = epoch.get("excluded", [])
+    left_out = {key: sum(w[key] for w in windows) for key in ("seconds", "steps", "images")}
     gaps = sorted(b - a for i, (a, b) in enumerate(zip(epoch["marks"], epoch["marks"][1:]))
-                  if not window["gaps"][0] <= i < window["gaps"][1]) or [0.0]
-    out.append({"images": epoch["images"] - window["images"], "steps": epoch["steps"] - window["steps"],
-                "train_s": epoch["last"] - epoch["first"] - window["seconds"], "profiled_s": window["seconds"],
+                  if not any(w["gaps"][0] <= i < w["gaps"][1] for w in windows)) or [0.0]
+    profiled = sum(w["seconds"] for w in windows if w["kind"] == "profile")
+    out.append({"images": epoch["images"] - left_out["images"], "steps": epoch["steps"] - left_out["steps"],
+                "train_s": epoch["last"] - epoch["first"] - left_out["seconds"], "profiled_s": profiled,
+                "paired_left_out_s": left_out["seconds"] - profiled,
                 "val_s": epoch.get("val_s", 0.0), "median_step_s": gaps[len(gaps) // 2], "p90_step_s": gaps[int(0.9 * (len(gaps) - 1))],
                 "to_first_s": epoch["first"] - epoch["start"], "after_val_s": end - epoch.get("val_end", epoch["last"]),
                 "val_first_s": epoch.get("val_first_s", 0.0), "hooks_s": epoch_hooks(epoch["start"], end),
-                "epoch_s": epoch["epoch_s"] - window["seconds"], "callbacks_s": sum(inside("callbacks")),
+                "epoch_s": epoch["epoch_s"] - left_out["seconds"], "callbacks_s": sum(inside("callbacks")),
                 # the loader's waits: in the training steps, and in validation (apart)
                 "fetch_s": sum(inside("fetch", epoch["start"], epoch["last"])),
                 "val_fetch_s": sum(inside("fetch", epoch["val_begin"], epoch["val_end"])) if "val_end" in epoch else 0.0,
@@ -367,7 +440,7 @@ print("RESULT " + json.dumps({"epochs": out, "compile": compile_stats(), "sanity
                               "fit_end_s": getattr(timer, "fit_end_s", 0.0),
                               "background_writes": len(background["write"]), "qkv_jobs": len(background["qkv"]),
                               "threads": torch.get_num_threads(), "workers": cli.datamodule.num_workers, "peak_gib": memory,
-                              "pyspy_tid": timer.pyspy_tid, "pyspy_window": [PYSPY_SECONDS, PYSPY_RATE],
+                              "pyspy_tid": timer.pyspy_tid, "paired": timer.pairs, "pyspy_window": [PYSPY_SECONDS, PYSPY_RATE],
                               "val_images": len(cli.datamodule.samples("val"))}))
 """
 
@@ -449,14 +522,13 @@ def make_data(kind: str, root: Path, count: int, size: dict, processes: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------- bare loops
-def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float]:
-    """Training images/s of forward + backward + fused AdamW on random tensors on the device (and for ViT the
-    forward-only images/s of a validation pass)."""
+def bare_setup(kind: str, size: dict, device: str):
+    """The bare loop's network, one training step of it (forward, loss and backward under bf16 autocast, fused AdamW,
+    one parameter group) and its input batch, random tensors already on the device: ``(model, step, x)``."""
     import torch
 
     from vitlab.models import build_model
 
-    torch.manual_seed(0)
     bf16 = size["precision"].startswith("bf16")
     spec = size[kind]
     if kind == "vit":
@@ -473,11 +545,6 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
         y = torch.randint(0, 2, (spec["batch"], 1, p, p, p), device=device)
         loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    out = {}
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
 
     def step() -> None:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
@@ -485,6 +552,23 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+
+    return model, step, x
+
+
+def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float]:
+    """Training images/s of forward + backward + fused AdamW on random tensors on the device (and for ViT the
+    forward-only images/s of a validation pass)."""
+    import torch
+
+    torch.manual_seed(0)
+    bf16 = size["precision"].startswith("bf16")
+    model, step, x = bare_setup(kind, size, device)
+    out = {}
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     def train_ips() -> float:
         for _ in range(max(3, steps // 4)):
@@ -517,7 +601,7 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
                 model(x)
             sync()
         out["eval_ips"] = steps * len(x) / (time.perf_counter() - start)
-    del model, opt
+    del model, step
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -564,9 +648,10 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
 
 
 def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = False, background: bool = False,
-               normalize: str | None = None, pyspy: Path | None = None) -> dict | None:
+               normalize: str | None = None, pyspy: Path | None = None, paired: tuple[str, str] | None = None) -> dict | None:
     """One vitlab fit in a fresh process; ``None`` (its error printed) when it fails, so the other runs still run.
-    ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test)."""
+    ``background``: the Q/K/V work and the checkpoints on their threads even without a GPU (the smoke test);
+    ``paired``: (task, ``SIZES`` key) of the bare steps run between the last epoch's steps (the paired probe)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "HF_HUB_OFFLINE": "1"}
     if background:
@@ -579,6 +664,8 @@ def vitlab_run(args: list[str], profile: Path | None = None, memdata: bool = Fal
         env["BENCH_MEMDATA"] = "1"
     if normalize is not None:
         env["BENCH_NORMALIZE"] = normalize
+    if paired is not None:
+        env["BENCH_PAIRED"], env["BENCH_SIZE"] = paired
     proc = subprocess.run([sys.executable, "-c", FIT_CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -620,8 +707,36 @@ def summarise(run: dict) -> dict[str, float]:
             "peak_gib": run["peak_gib"], "workers": run["workers"],
             "background_writes": run.get("background_writes", 0), "qkv_jobs": run.get("qkv_jobs", 0),
             "threads": run["threads"], "val_images": run["val_images"], "compile": run.get("compile"),
+            "paired": paired_summary(run.get("paired") or []),
             "per_epoch": [{key: round(value, 4) if isinstance(value, float) else value for key, value in e.items()}
                           for e in run["epochs"]]}
+
+
+def paired_summary(pairs: list[dict]) -> dict | None:
+    """The paired probe's medians (ms): vitlab's step and the bare step run after it, each synchronised at both ends,
+    and the host's share of each (until the step's hooks / the bare step's launches returned)."""
+    if not pairs:
+        return None
+    return {"pairs": len(pairs), "epoch": pairs[0]["epoch"] + 1, **{key.replace("_s", "_ms"): 1e3 * statistics.median(p[key] for p in pairs)
+                                    for key in ("vitlab_s", "vitlab_host_s", "bare_s", "bare_host_s")}}
+
+
+def paired_line(kind: str, run: dict) -> str:
+    """What the paired probe says: the fit's step against a bare step in the same process, and that bare step against
+    the bare loop's step in a process of its own (``bare_alone_ms``, this one's)."""
+    p = run.get("paired")
+    if not p:
+        return ""
+    alone = p["bare_alone_ms"]
+    step, inside = p["vitlab_ms"] / p["bare_ms"], p["bare_ms"] / alone
+    found = (["the fit's process slows a bare step too (around the step: cores, threads, the interpreter's lock)"]
+             if inside > 1.15 else []) + (["the fit's own step costs more than the bare one beside it (its hooks, loader, "
+                                           "logging)"] if step > 1.1 else [])
+    verdict = "; and ".join(found) or "neither: the synchronised steps run as fast as a bare one"
+    return (f"  {kind}: paired in the fit's process, epoch {p['epoch']}, {p['pairs']} pair(s), each step synchronised: "
+            f"vitlab's step {p['vitlab_ms']:.1f} ms (its host {p['vitlab_host_ms']:.1f} ms) against a bare step "
+            f"{p['bare_ms']:.1f} ms (its host {p['bare_host_ms']:.1f} ms) run after it = {step:.2f}x; that bare step "
+            f"against the bare loop in its own process ({alone:.1f} ms) = {inside:.2f}x: {verdict}")
 
 
 def main() -> None:
@@ -677,11 +792,14 @@ def main() -> None:
         pyspy = root / f"pyspy_{kind}" if variant == "default" else None
         run = vitlab_run(vitlab_args(kind, variant, manifests[kind], root / "runs", size, args.epochs, accelerator), profile,
                          memdata=variant == "memdata", background=args.smoke, normalize="loader" if variant == "loadernorm" else None,
-                         pyspy=pyspy)
+                         pyspy=pyspy, paired=(kind, "smoke" if args.smoke else "full") if variant == "default" else None)
         if run is None:
             continue
         results[f"{kind}/{variant}"] = summary = summarise(run)
         print(run_line(f"{kind}/{variant}", summary, results[f"{kind}/bare"]), flush=True)
+        if summary["paired"]:
+            summary["paired"]["bare_alone_ms"] = 1e3 * size[kind]["batch"] / results[f"{kind}/bare"]["train_ips"]
+            print(paired_line(kind, summary), flush=True)
         if pyspy is not None and run.get("pyspy_tid") is not None:
             texts = [Path(f"{pyspy}_{k}.txt").read_text() if Path(f"{pyspy}_{k}.txt").exists() else "" for k in ("active", "gil")]
             summary["pyspy"] = py_spy_summary(*texts, run["pyspy_tid"], *run["pyspy_window"])
@@ -769,7 +887,8 @@ def run_line(name: str, run: dict, bare: dict) -> str:
             f"Q/K/V callbacks {run['callbacks_s_per_epoch']:5.3f} s/epoch ({run['callbacks_s_per_epoch'] / run['epoch_s']:5.1%}), "
             f"at fit start {run['fit_start_callbacks_s']:5.3f} s; checkpoints {run['checkpoints_s_per_epoch']:5.3f} s/epoch "
             f"(state {run.get('ckpt_dump_s_per_epoch', 0):5.3f} s, hand-over {run.get('ckpt_io_s_per_epoch', 0):5.3f} s); "
-            f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB; epoch {run['epoch_s']:.2f} s = "
+            f"{run['workers']} workers, {run['threads']} threads; peak {run['peak_gib']:.1f} GiB"
+            + (" (the paired probe's copy of the network included)" if run.get("paired") else "") + f"; epoch {run['epoch_s']:.2f} s = "
             f"steps {run.get('train_s', 0):.2f} + validation {run.get('val_s', 0):.2f} (to its first batch "
             f"{run.get('val_first_s', 0):.2f}, waiting for batches {run.get('val_fetch_s', 0):.2f} in all"
             + (f", {run['val_images'] / run['val_s']:.0f} img/s = {run['val_images'] / run['val_s'] / bare['eval_ips']:.2f}x "
@@ -799,6 +918,8 @@ def report(results: dict, args) -> None:
             if not name.startswith(f"{kind}/") or name.endswith("/bare"):
                 continue
             print(run_line(name, run, bare))
+            if run.get("paired"):
+                print(paired_line(kind, run))
         if kind == "vit" and "eval_ips" in bare and "vit/default" in results:
             run = results["vit/default"]
             bare_epoch = bare_epoch_s(run, bare)

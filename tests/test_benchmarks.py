@@ -94,6 +94,15 @@ def test_bench_gpu_smoke_runs_both_tasks_and_a_variant(tmp_path):
         # SwinUNETR recipe, which validates every tenth epoch)
         assert (figures["sanity_s"] > 0) == (run == "vit/default"), run
     assert results["vit/default"]["val_fetch_s"] > 0 and "waiting for batches" in report and "first epoch" in report
+    # the paired probe: bare steps between the default ViT run's steps (its first epoch here: the last is profiled), in
+    # the fit's process, each synchronised; their steps and time left out of that epoch's figures; none in the variant
+    paired = results["vit/default"]["paired"]
+    assert paired["pairs"] >= 1 and paired["epoch"] == 1, paired
+    assert all(paired[key] > 0 for key in ("vitlab_ms", "vitlab_host_ms", "bare_ms", "bare_host_ms", "bare_alone_ms")), paired
+    assert paired["vitlab_host_ms"] <= paired["vitlab_ms"] and paired["bare_host_ms"] <= paired["bare_ms"], paired
+    first = results["vit/default"]["per_epoch"][0]
+    assert first["paired_left_out_s"] > 0 and results["vit/default"]["per_epoch"][1]["paired_left_out_s"] == 0
+    assert results["vit/memdata"]["paired"] is None and "vit: paired in the fit's process, epoch 1" in report
     import shutil
 
     if shutil.which("py-spy"):  # (a tool of the GPU session's wheels, not a dependency): the default runs sampled
@@ -140,6 +149,33 @@ def test_the_py_spy_summary_counts_the_training_threads_samples_and_the_locks_ot
     assert "holding the interpreter's lock 25%" in line and "vitlab-qkv 50%" in line
     assert "py-spy, 2 s of the first epoch" in line
     assert "no samples" in bench.py_spy_line("vit", bench.py_spy_summary("", "", tid=7, seconds=2, rate=200))
+
+
+def test_the_paired_probe_says_whether_the_fits_step_or_its_process_is_slow():
+    """The paired probe's reading: vitlab's step against a bare step run beside it in the fit's process, and that bare
+    step against the bare loop's in a process of its own (the medians of the pairs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.paired_summary([]) is None and bench.paired_line("vit", {"paired": None}) == ""
+    pairs = [{"epoch": 2, "vitlab_s": v, "vitlab_host_s": v * 0.9, "bare_s": b, "bare_host_s": b * 0.3}
+             for v, b in ((0.042, 0.029), (0.040, 0.028), (0.090, 0.030))]
+    summary = bench.paired_summary(pairs)
+    assert summary["pairs"] == 3 and summary["epoch"] == 3
+    assert summary["vitlab_ms"] == pytest.approx(42.0) and summary["bare_ms"] == pytest.approx(29.0)  # (medians)
+    assert summary["vitlab_host_ms"] == pytest.approx(37.8) and summary["bare_host_ms"] == pytest.approx(8.7)
+
+    def line(vitlab_ms, bare_ms, alone_ms):
+        return bench.paired_line("vit", {"paired": {**summary, "vitlab_ms": vitlab_ms, "bare_ms": bare_ms,
+                                                    "bare_alone_ms": alone_ms}})
+    own, around = "the fit's own step costs more", "the fit's process slows a bare step too"
+    assert own in line(42.0, 29.0, 28.5) and around not in line(42.0, 29.0, 28.5) and "= 1.45x" in line(42.0, 29.0, 28.5)
+    assert around in line(42.0, 40.0, 28.5) and own not in line(42.0, 40.0, 28.5)
+    assert around in line(60.0, 40.0, 28.5) and own in line(60.0, 40.0, 28.5)  # (both)
+    assert "neither" in line(29.5, 29.0, 28.5)
+    assert "epoch 3, 3 pair(s)" in line(42.0, 29.0, 28.5)
 
 
 def test_bench_gpu_names_the_graphs_a_compiled_run_compiled_and_why_it_compiled_again():
