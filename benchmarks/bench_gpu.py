@@ -417,10 +417,11 @@ for epoch in timer.epochs:
     # the profiled window (the default run's second epoch) and the paired probe's steps (its last): their steps,
     # images and seconds are left out
     windows = epoch.get("excluded", [])
-    left_out = {key: sum(w[key] for w in windows) for key in ("seconds", "steps", "images")}
+    left_out = {key: sum(w.get(key, 0) for w in windows) for key in ("seconds", "steps", "images")}  # (.get: a
+    # profiled window the epoch ended inside)
     gaps = sorted(b - a for i, (a, b) in enumerate(zip(epoch["marks"], epoch["marks"][1:]))
-                  if not any(w["gaps"][0] <= i < w["gaps"][1] for w in windows)) or [0.0]
-    profiled = sum(w["seconds"] for w in windows if w["kind"] == "profile")
+                  if not any(w.get("gaps", (0, 0))[0] <= i < w.get("gaps", (0, 0))[1] for w in windows)) or [0.0]
+    profiled = sum(w.get("seconds", 0.0) for w in windows if w["kind"] == "profile")
     out.append({"images": epoch["images"] - left_out["images"], "steps": epoch["steps"] - left_out["steps"],
                 "train_s": epoch["last"] - epoch["first"] - left_out["seconds"], "profiled_s": profiled,
                 "paired_left_out_s": left_out["seconds"] - profiled,
