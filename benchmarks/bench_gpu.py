@@ -718,8 +718,9 @@ def paired_summary(pairs: list[dict]) -> dict | None:
     and the host's share of each (until the step's hooks / the bare step's launches returned)."""
     if not pairs:
         return None
-    return {"pairs": len(pairs), "epoch": pairs[0]["epoch"] + 1, **{key.replace("_s", "_ms"): 1e3 * statistics.median(p[key] for p in pairs)
-                                    for key in ("vitlab_s", "vitlab_host_s", "bare_s", "bare_host_s")}}
+    medians = {f"{key[:-2]}_ms": 1e3 * statistics.median(p[key] for p in pairs)
+               for key in ("vitlab_s", "vitlab_host_s", "bare_s", "bare_host_s")}
+    return {"pairs": len(pairs), "epoch": pairs[0]["epoch"] + 1, **medians}
 
 
 def paired_line(kind: str, run: dict) -> str:
