@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from torch import nn
 
 from vitlab.models.adapter import unwrap_model
+from vitlab.models.conv_guard import guard_conv3d
 from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError
 from vitlab.models.registry import get_adapter, supported_families
 from vitlab.models.weights import _maker_hint, load_weights
@@ -316,7 +317,8 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
             arguments for ``monai:``, plus ``img_size`` (the volume size) for ``monai:swin_unetr``).
 
     Returns:
-        The model, in training mode.
+        The model, in training mode. Its 3-D convolutions compute in float32 where oneDNN's bf16 weight gradient
+        on the CPU is wrong (:mod:`vitlab.models.conv_guard`).
 
     Raises:
         ValueError: unknown name or bad argument. UnsupportedModelError: another model family.
@@ -359,6 +361,7 @@ def build_model(name: str, num_classes: int, in_chans: int = 3, pretrained: bool
                                     f"know; {error}") from None
     if weights is not None:
         load_weights(model, weights)
+    guard_conv3d(model)  # (3-D convolutions whose bf16 weight gradient oneDNN gets wrong on the CPU: in float32)
     return model
 
 
