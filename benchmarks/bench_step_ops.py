@@ -18,6 +18,10 @@ loop is also counted and timed with MONAI's own ``compute_mask``, what a plain M
 aten operation (nested ones included) and of the top-level ones (those the Python code and autograd call, each a
 trip through the dispatcher); times are the fastest of ``--rounds`` interleaved steps, on the CPU's clock.
 
+Under deterministic algorithms (the recipe's ``trainer.deterministic: warn``) torch also fills every fresh tensor
+with NaN unless ``runtime.fill_uninitialized`` is false (vitlab's default): the step's count with and without is
+printed too.
+
 Target: vitlab's step launches no more operations than the bare loop's (ratio <= 1.0x). What the fit adds around
 the step (Lightning's loop, the loader, callbacks) is ``bench_step_overhead.py``'s and ``bench_gpu_ladder.py``'s.
 """
@@ -125,6 +129,19 @@ def main() -> None:
     print(f"  vitlab's step {total_vitlab:.0f} / {vitlab_top:.0f} = {total_vitlab / total_bare:.3f}x / {vitlab_top / bare_top:.3f}x "
           f"the bare loop's (target <= 1.0x), {total_vitlab / total_stock:.3f}x / {vitlab_top / stock_top:.3f}x MONAI's; "
           f"{len(module_optimizer.param_groups)} parameter groups")
+    import torch.utils.deterministic
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the recipe's trainer.deterministic: warn
+    filled = {}
+    for fill in (True, False):
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        filled[fill] = count_ops(vitlab_step, args.steps)[0]
+    torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    print(f"  vitlab's step under deterministic algorithms (the recipe's trainer.deterministic: warn): "
+          f"{sum(filled[True].values()):.0f} operations, {filled[True]['aten::fill_']:.0f} of them fill_, with fresh "
+          f"tensors NaN-filled (torch's default); {sum(filled[False].values()):.0f} and "
+          f"{filled[False]['aten::fill_']:.0f} without (runtime.fill_uninitialized: false, vitlab's default)")
     if args.rounds:
         times = fastest({"stock": stock, "bare": bare, "vitlab": vitlab_step}, args.rounds)
         print(f"  fastest step of {args.rounds}, s: bare loop with MONAI's masks {times['stock']:.3f}, with the kept masks "

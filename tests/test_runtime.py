@@ -52,6 +52,7 @@ def test_numbers_given_are_kept_and_omp_num_threads_is_the_auto_thread_count(mon
     ({"workers": -1}, "runtime.workers must be 'auto' or an int >= 0, got -1"),
     ({"workers": "many"}, "runtime.workers must be 'auto' or an int >= 0, got 'many'"),
     ({"figures": "background"}, "runtime.figures must be one of auto, inline, off, got 'background'"),
+    ({"fill_uninitialized": "yes"}, "runtime.fill_uninitialized must be true or false, got 'yes'"),
 ])
 def test_bad_values_are_refused_in_one_line(kwargs, message):
     with pytest.raises(ValueError) as error:
@@ -67,6 +68,44 @@ def test_apply_sets_torch_threads():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def deterministic_fill():
+    """torch's deterministic-algorithms switches and its NaN fill of fresh tensors, put back after the test."""
+    import torch.utils.deterministic
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.utils.deterministic.fill_uninitialized_memory = before[2]
+
+
+def _fills(make) -> int:
+    """The ``aten::fill_`` operations ``make()`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        make()
+    return sum(1 for e in prof.events() if e.name == "aten::fill_")
+
+
+def test_fresh_tensors_are_not_nan_filled_under_deterministic_algorithms_unless_asked(deterministic_fill):
+    import torch.utils.deterministic
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # (torch's default)
+    like = torch.zeros(8)
+    assert Runtime().fill_uninitialized is False
+    Runtime(threads=torch.get_num_threads()).apply()
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+    assert _fills(lambda: (torch.empty(1000), torch.empty_like(like), like.new_empty(9))) == 0
+    Runtime(threads=torch.get_num_threads(), fill_uninitialized=True).apply()
+    assert torch.utils.deterministic.fill_uninitialized_memory is True
+    assert _fills(lambda: (torch.empty(1000), torch.empty_like(like), like.new_empty(9))) == 3
+    assert torch.isnan(torch.empty(1000)).all()  # (what the fill is for: a read of unwritten memory shows)
+    assert Runtime(fill_uninitialized=True).resolved(True, cores=16).fill_uninitialized is True
 
 
 @pytest.fixture
@@ -269,7 +308,8 @@ def test_same_seed_same_numbers_beside_a_busy_process_and_from_the_saved_config(
     base = ["--runtime.threads", "2", "--trainer.max_epochs", "2"]
     quiet_run, quiet, quiet_scalars = _fit_outputs(tiny_args(tiny_dataset, tmp_path / "quiet", extra=base))
     saved = yaml.safe_load((quiet_run / "config.yaml").read_text())
-    assert saved["runtime"] == {"threads": 2, "workers": 0, "figures": "auto", "tf32": "auto"}  # (no GPU: left as it is)
+    assert saved["runtime"] == {"threads": 2, "workers": 0, "figures": "auto", "tf32": "auto",  # (no GPU: left as it is)
+                                "fill_uninitialized": False}
     assert "vitlab: runtime: 2 torch thread(s), 0 loader worker(s)" in capfd.readouterr().err
 
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -352,6 +392,38 @@ def test_batches_normalised_on_the_device_never_change_the_numbers(tiny_dataset,
     assert normalised and set(normalised) == {(1, 3)}  # every batch, training and validation, sent with one channel
     assert len(snapshots) == 3 and len(scalars) > 10
     assert _same_snapshots(device_snapshots, snapshots) and device_scalars == scalars
+
+
+@pytest.mark.slow
+def test_fresh_tensors_left_unfilled_never_change_a_deterministic_volume_fit(tmp_path, monkeypatch, deterministic_fill):
+    """The 3-D quickstart's recipe (a SwinUNETR under ``trainer.deterministic: warn``, bf16 on the CPU), two epochs
+    on a few embedded volumes, with fresh tensors NaN-filled (torch's default under deterministic algorithms) and
+    not (the default): bit-identical snapshots and metrics, so no operation of its training or validation reads
+    memory it did not write; and the fill did run in the first fit (many ``fill_`` a step: what leaving it out
+    saves)."""
+    import torch.utils.deterministic
+
+    monkeypatch.setenv("VITLAB_CACHE", str(tmp_path / "cache"))
+    flags, fills = [], []
+    step = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):  # (a step's fills: the ones its forward and backward made)
+        flags.append((torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    outputs = []
+    for fill in (True, False):
+        args = ["--config", "quickstart_volume", "--data.embedded_kwargs", '{"patients": 4, "slices": 3, "size": 64}',
+                "--runtime.workers", "0", "--runtime.fill_uninitialized", str(fill).lower(), "--data.batch_size", "2",
+                "--data.val_fraction", "0.5", "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "1",
+                "--trainer.precision", "bf16-mixed", "--trainer.enable_progress_bar", "false",
+                "--trainer.logger.init_args.save_dir", str(tmp_path / f"fill_{fill}")]
+        outputs.append(_fit_outputs(args)[1:])
+    assert {f for f in flags[:2]} == {(True, True)} and {f for f in flags[-2:]} == {(True, False)}
+    (filled, filled_scalars), (unfilled, unfilled_scalars) = outputs
+    assert len(filled) == 3 and len(filled_scalars) >= 4
+    assert _same_snapshots(unfilled, filled) and unfilled_scalars == filled_scalars
 
 
 def _printed_workers(args: list[str], capsys) -> int:

@@ -153,12 +153,21 @@ class Runtime:
             (``torch.backends.cuda.matmul.allow_tf32``): the CPU's numbers never change, cuDNN's convolutions use
             TF32 by default in PyTorch either way, and a ``bf16-mixed`` run makes most products in bf16 anyway.
             Set for the process, as ``threads`` is.
+        fill_uninitialized: Under deterministic algorithms (``trainer.deterministic: true`` or ``warn``) torch fills
+            every newly allocated tensor with NaN (integers with their largest value), so that an operation that read
+            memory nothing wrote would give the same wrong value every time: a debugging aid that costs a kernel
+            and a write of every fresh tensor (the 3-D quickstart's SwinUNETR step: 2,400 fills instead of 76, each
+            a launch for a GPU's host; 3 % of the step's time on 2 CPU cores). ``false`` (default): fresh tensors
+            are not filled; no operation of a training step reads what it did not write, so the numbers are the
+            same, bit for bit (tested); ``true``: torch's default. Set for the process
+            (``torch.utils.deterministic.fill_uninitialized_memory``).
     """
 
     threads: int | Literal["auto"] = "auto"
     workers: int | Literal["auto"] = "auto"
     figures: Literal["auto", "inline", "off"] = "auto"
     tf32: bool | Literal["auto"] = "auto"
+    fill_uninitialized: bool = False
 
     def __post_init__(self) -> None:
         self.threads = _count(self.threads, "threads", 1)
@@ -167,6 +176,8 @@ class Runtime:
             raise ValueError(f"runtime.figures must be one of {', '.join(FIGURE_MODES)}, got {self.figures!r}")
         if self.tf32 != "auto" and not isinstance(self.tf32, bool):
             raise ValueError(f"runtime.tf32 must be 'auto', true or false, got {self.tf32!r}")
+        if not isinstance(self.fill_uninitialized, bool):
+            raise ValueError(f"runtime.fill_uninitialized must be true or false, got {self.fill_uninitialized!r}")
 
     def resolved(self, gpu: bool, cores: int | None = None) -> Runtime:
         """The same choices with ``auto`` replaced by numbers for a machine of ``cores`` (default: this one's)."""
@@ -189,12 +200,12 @@ class Runtime:
         tf32 = self.tf32
         if tf32 == "auto" and gpu and _default_matmul_precision():
             tf32 = True
-        return Runtime(threads, workers, self.figures, tf32)
+        return Runtime(threads, workers, self.figures, tf32, self.fill_uninitialized)
 
     def apply(self) -> None:
-        """torch on ``threads`` threads, and CUDA's float32 products in TF32 or not (resolved: ``auto`` left as
-        it is). (OpenCV runs on one thread in every process that loads data:
-        :func:`vitlab.data.transforms.single_opencv_thread`, made by the loaders.)"""
+        """torch on ``threads`` threads, CUDA's float32 products in TF32 or not (resolved: ``auto`` left as
+        it is), fresh tensors NaN-filled under deterministic algorithms or not. (OpenCV runs on one thread in every
+        process that loads data: :func:`vitlab.data.transforms.single_opencv_thread`, made by the loaders.)"""
         import torch
 
         if isinstance(self.threads, int) and torch.get_num_threads() != self.threads:
@@ -203,6 +214,9 @@ class Runtime:
             # (the switch torch.get_float32_matmul_precision reads, which Lightning asks on a GPU: torch refuses to
             # answer once its per-backend precision settings are mixed with this one, so this one alone is used)
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        import torch.utils.deterministic
+
+        torch.utils.deterministic.fill_uninitialized_memory = self.fill_uninitialized
 
     def describe(self, cores: int, gpu: bool) -> str:
         where = {"auto": "by a figure worker process", "inline": "in the training process", "off": "off"}[self.figures]
