@@ -42,6 +42,7 @@ WRONG_CASES = [  # (module, input depth): the kernel deeper than the input or th
     (lambda: nn.Conv3d(16, 16, (5, 3, 3), stride=(2, 1, 1), padding=(2, 1, 1)), 4),
     (lambda: nn.ConvTranspose3d(16, 16, 3, padding=1), 2),
     (lambda: nn.ConvTranspose3d(16, 16, (5, 3, 3), padding=(2, 1, 1)), 3),
+    (lambda: nn.ConvTranspose3d(16, 16, 3, padding=(2, 1, 1)), 4),  # deep enough, its output (2) is not
 ]
 
 
@@ -73,8 +74,9 @@ def test_the_cases_onednn_gets_wrong_match_float64_under_bf16_autocast(make, dep
     (lambda: nn.Conv3d(16, 16, 3, padding=1), 2, "no_grad"),  # no weight gradient: the forward is right
     (lambda: nn.Conv3d(8, 16, (2, 3, 3), stride=(2, 1, 1), padding=(0, 1, 1)), 4, "bf16"),
     (lambda: nn.ConvTranspose3d(16, 8, 2, stride=2), 2, "bf16"),  # SwinUNETR's upsampling
-    (lambda: nn.Conv3d(16, 16, 3, padding=1, padding_mode="reflect"), 3, "bf16"),  # padded first: depth 5 to 3
-], ids=["deep", "float32", "no_grad", "strided", "transposed", "reflect"])
+    (lambda: nn.Conv3d(16, 16, 3, padding=1, padding_mode="reflect"), 2, "bf16"),  # padded first: depth 4 to 2
+    (lambda: nn.Conv3d(3, 16, (8, 4, 4), stride=(8, 4, 4)), 16, "bf16"),  # a 3-D patch embedding: out depth 2
+], ids=["deep", "float32", "no_grad", "strided", "transposed", "reflect", "patches"])
 def test_every_other_call_is_torchs_own_bit_for_bit(make, depth, context):
     torch.manual_seed(0)
     plain = make()
