@@ -156,8 +156,9 @@ class Runtime:
         fill_uninitialized: Under deterministic algorithms (``trainer.deterministic: true`` or ``warn``) torch fills
             every newly allocated tensor with NaN (integers with their largest value), so that an operation that read
             memory nothing wrote would give the same wrong value every time: a debugging aid that costs a kernel
-            and a write of every fresh tensor (the 3-D quickstart's SwinUNETR step: 2,400 fills instead of 76, each
-            a launch for a GPU's host; 3 % of the step's time on 2 CPU cores). ``false`` (default): fresh tensors
+            and a write of every fresh tensor (a SwinUNETR training step: 1,935 fills instead of 173,
+            ``benchmarks/bench_step_ops.py``, each a launch for a GPU's host; the 3-D quickstart's step 0.187
+            against 0.181 s on 2 CPU cores). ``false`` (default): fresh tensors
             are not filled; no operation of a training step reads what it did not write, so the numbers are the
             same, bit for bit (tested); ``true``: torch's default. Set for the process
             (``torch.utils.deterministic.fill_uninitialized_memory``).
