@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py [--task vit swinunetr] [--epochs 3] [--train-images 5120] [--volumes 48]
                                    [--variants memdata nocallbacks gpuspectra compile nondeterministic onethread loadernorm
-                                    cudagraphs]
+                                    cudagraphs graphsonly]
                                    [--out DIR]
     python benchmarks/bench_gpu.py --smoke   # tiny models on the CPU: checks the script itself, measures nothing
                                              # (the Q/K/V work and checkpoints on their threads, as beside a GPU)
@@ -55,8 +55,11 @@ What it runs (about 5 minutes on one H100 / H200):
    ``loadernorm`` the ViT run with its batches normalised by the loader workers, as before (beside a GPU they leave the
    final Normalize to the device: a gray slice travels with one channel instead of three); ``cudagraphs``
    both runs with ``model.compile: {mode: reduce-overhead}`` (the compiled forward and backward replayed as CUDA
-   graphs: one launch where the host launched hundreds of kernels; the first epoch, left out, compiles). The
-   variants run in the order given, each for ViT then SwinUNETR where it applies.
+   graphs: one launch where the host launched hundreds of kernels; the first epoch, left out, compiles);
+   ``graphsonly`` both runs with ``model.compile: {backend: cudagraphs}`` (torch's own kernels, traced by dynamo and
+   AOTAutograd and replayed as CUDA graphs, with no code generated: the host's launches saved at a fraction of
+   inductor's compilation; its first epoch's seconds say what that fraction is). The variants run in the order
+   given, each for ViT then SwinUNETR where it applies.
 
 It prints a line per run as the run ends (with the whole-epoch ratio, over the epochs and each epoch after the
 first; validation's seconds, its waits for batches and its images/s against the bare forward; the first epoch's
@@ -459,7 +462,7 @@ def compile_stats() -> dict | None:
         return None
     again = [f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno}): {reason.strip()}"
              for code, reasons in guard_failures.items() for reason in reasons]
-    # graphs inductor ran without CUDA graphs under mode reduce-overhead (TORCH_LOGS=cudagraphs says why)
+    # graphs run without CUDA graphs under mode reduce-overhead or backend cudagraphs (TORCH_LOGS=cudagraphs says why)
     return {"graphs": graphs, "recompiled": again, "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
@@ -610,7 +613,8 @@ def bare_loop(kind: str, size: dict, device: str, steps: int) -> dict[str, float
 
 # ---------------------------------------------------------------------------------------------- vitlab runs
 # the tasks each variant runs for (the rest are about the ViT run's loader, callbacks or threads)
-VARIANT_TASKS = {"nondeterministic": ("swinunetr",), "compile": ("vit", "swinunetr"), "cudagraphs": ("vit", "swinunetr")}
+VARIANT_TASKS = {"nondeterministic": ("swinunetr",), "compile": ("vit", "swinunetr"), "cudagraphs": ("vit", "swinunetr"),
+                 "graphsonly": ("vit", "swinunetr")}
 VARIANT_TASKS.update({v: ("vit",) for v in ("memdata", "nocallbacks", "gpuspectra", "onethread", "loadernorm")})
 def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: dict, epochs: int, accelerator: str) -> list[str]:
     spec = size[kind]
@@ -632,6 +636,8 @@ def vitlab_args(kind: str, variant: str, manifest: Path, save_dir: Path, size: d
         args += ["--model.compile", "true"]
     if variant == "cudagraphs":  # compiled, and the compiled graphs replayed as CUDA graphs (the host launches one)
         args += ["--model.compile", json.dumps({"mode": "reduce-overhead"})]
+    if variant == "graphsonly":  # the same CUDA graphs of torch's own kernels: traced, no code generated
+        args += ["--model.compile", json.dumps({"backend": "cudagraphs"})]
     if variant == "nondeterministic":
         args += ["--trainer.deterministic", "false"]
     if variant == "onethread":  # the host's share of the Q/K/V work (spectra) on one core instead of runtime: auto's
@@ -749,7 +755,7 @@ def main() -> None:
     parser.add_argument("--volumes", type=int, default=48, help="SwinUNETR training volumes (one random patch each per epoch)")
     parser.add_argument("--variants", nargs="*", default=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic"],
                         choices=["memdata", "nocallbacks", "gpuspectra", "compile", "nondeterministic", "onethread", "loadernorm",
-                                 "cudagraphs"],
+                                 "cudagraphs", "graphsonly"],
                         help="runs beside the default ones")
     parser.add_argument("--out", type=Path, default=None, help="folder for the data, runs and bench_gpu.json (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and data on the CPU: checks this script, measures nothing")

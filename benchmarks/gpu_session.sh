@@ -8,8 +8,8 @@
 #    (py-spy) on PATH.
 # 2. Runs the CUDA-only tests (the checkpoint writer's pinned buffers, device normalisation, classification's and
 #    SwinUNETR's steps under torch.cuda.set_sync_debug_mode("error"), a fit replayed as CUDA graphs) into cudatests.txt, then
-#    `bench_gpu.py` (the default runs, then `cudagraphs` and `compile` for both, and `nocallbacks`, as far as its time
-#    limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
+#    `bench_gpu.py` (the default runs, then `graphsonly` and `cudagraphs` for both, `nocallbacks`, and `compile` for
+#    both, as far as its time limit goes: each run's figures are kept as it ends), then, with GPU_SESSION_LADDER=1,
 #    `bench_gpu_ladder.py --py-spy` (its first rungs, within its time limit), each under its own time limit, with
 #    their data, runs and py-spy files in a temp folder, not in OUT: the data are thousands of files, and a machine
 #    lent for minutes may return only a few files. The defaults fit one 600 s call; the ladder takes a second one.
@@ -19,8 +19,8 @@
 #
 # Without a GPU each benchmark says so in one line (and the CUDA tests are skipped). Environment (defaults in
 # brackets): GPU_SESSION_SMOKE=1 runs the benchmarks with --smoke (tiny models on the CPU: checks this script);
-# GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [150]; BENCH_GPU_ARGS [--task vit swinunetr --variants cudagraphs
-# compile nocallbacks], BENCH_GPU_S [400]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
+# GPU_SESSION_TESTS [1] (0: no tests), TESTS_S [150]; BENCH_GPU_ARGS [--task vit swinunetr --variants graphsonly
+# cudagraphs nocallbacks compile], BENCH_GPU_S [400]; GPU_SESSION_LADDER [0], LADDER_S [230] (seconds); PYTHON [python3].
 set -u
 out=${1:-${OUT:-$(mktemp -d -t vitlab-gpu-session-XXXXXX)}}
 mkdir -p "$out"
@@ -35,7 +35,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 smoke=()
 [ "${GPU_SESSION_SMOKE:-0}" = 1 ] && smoke=(--smoke)
-read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants cudagraphs compile nocallbacks}"
+read -r -a bench_args <<< "${BENCH_GPU_ARGS:---task vit swinunetr --variants graphsonly cudagraphs nocallbacks compile}"
 
 if [ "${GPU_SESSION_TESTS:-1}" != 0 ]; then
     {
