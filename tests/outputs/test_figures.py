@@ -406,3 +406,35 @@ def test_blocks_of_one_layout_share_a_kept_local_drift_map(tmp_path):
     assert worker.builds == {"drift_local/stage0.block0": 1, "drift_local/stage1.block0": 1}  # block1: block0's figure
     fresh = _images(tmp_path / "fresh")
     assert len(fresh) == 6 and _images(tmp_path / "reused") == fresh
+
+
+def test_every_drift_and_spectra_figure_labels_its_axes_and_colour_bars(tmp_path, monkeypatch):
+    """Each panel of the figures the Q/K/V reports draw names what its x and y axes hold, and every colour bar
+    what its colours mean: a figure read on its own says what it shows."""
+    import vitlab.qkv.drift as drift_module
+    import vitlab.qkv.spectra as spectra_module
+
+    drawn: dict[str, Figure] = {}
+    capture = lambda writer, tag, step, figure, worker=None: drawn.setdefault(tag, figure)  # noqa: E731
+    monkeypatch.setattr(drift_module, "log_figure", capture)
+    monkeypatch.setattr(spectra_module, "log_figure", capture)
+    ref, cur = _state(0), _state(1)
+    writer = SummaryWriter(str(tmp_path))
+    report_drift(writer, ref, cur, ref, HEADS, 1)
+    report_spectra(writer, block_spectra(_state(2), HEADS), 1)
+    writer.close()
+    assert {tag.split("/")[0] for tag in drawn} >= {"drift_map", "drift_local", "spectra_figure"}
+    figures = {tag: figure.build() for tag, figure in drawn.items()}
+    try:
+        for tag, fig in figures.items():
+            colour_bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+            panels = [ax for ax in fig.axes if ax not in colour_bars]
+            assert panels and any(ax.get_xlabel() for ax in panels), tag
+            assert all(any(other.get_ylabel() for other in panels if other.get_position().y0 == ax.get_position().y0)
+                       for ax in panels), f"{tag}: a row of panels without a y label"
+            assert all(bar.get_ylabel() or bar.get_xlabel() for bar in colour_bars), f"{tag}: a colour bar without a label"
+        assert [ax.get_ylabel() for ax in figures["spectra_figure/stage0"].axes[:3]] == ["eigenvalue", "lambda", "sigma_i / sigma_1"]
+        assert set(drift_module.DRIFT_MAP_UNITS) == {tag.split("/")[1] for tag in drawn if tag.startswith("drift_map/")}
+    finally:
+        for fig in figures.values():
+            plt.close(fig)

@@ -215,11 +215,12 @@ def stage_curves_figure(stage: str, curves: dict[str, tuple[np.ndarray, np.ndarr
     axes[0].set_title("eigenvalues of sym. part (W_Q W_K^T)", fontsize=9)
     axes[1].set_title("antisym. part: lambda of +-i lambda pairs", fontsize=9)
     axes[2].set_title("singular values / largest", fontsize=9)
-    for ax in axes:
-        ax.set_xlabel("index")
+    for ax, ylabel in zip(axes, ("eigenvalue", "lambda", "sigma_i / sigma_1")):
+        ax.set_xlabel("index (descending)")
+        ax.set_ylabel(ylabel, fontsize=8)
     legend = axes[0].legend(fontsize=7, ncol=2, loc="upper right")  # fixed: "best" follows the curves
     fig.suptitle(f"{stage}: QK bilinear form, heads summed", fontsize=10)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.82, wspace=0.22)  # tight_layout costs ~0.4 s
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.15, top=0.82, wspace=0.26)  # tight_layout costs ~0.4 s
     _round_y_limits(fig)
     for ax in axes:  # in drawing order: curves (and the zero line) under the spines, the legend on top
         redrawn(fig, *ax.lines, *ax.spines.values())

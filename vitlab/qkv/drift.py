@@ -16,6 +16,15 @@ from vitlab.outputs.files import write_csv_arrays
 from vitlab.outputs.tensorboard import add_scalars, log_figure
 
 LOCAL_METRICS = ("cosine_distance", "euclidean")
+#: The colour bar of each ``drift_map`` figure: what a cell is, in which units (a row u of the reference weight,
+#: v of the current one, d_in entries; the weights' own units).
+DRIFT_MAP_UNITS = {
+    "cosine_distance": "1 - cos(u, v)  (unitless)",
+    "euclidean": "|u - v|  (weight units)",
+    "mse": "|u - v|^2 / d_in  (weight units^2)",
+    "dot": "u . v  (weight units^2)",
+    "rel_frobenius": "|W - W_ref|_F / |W_ref|_F  (ratio)",
+}
 
 
 def _log_scalars(writer, sum_ref, sum_prev, step) -> None:
@@ -58,7 +67,8 @@ def _log_images(writer, rows_ref, sum_ref, heads, step, local_maps: bool = True,
     for name in DRIFT_METRICS + ("rel_frobenius",):
         grid = np.array([[sum_ref[(b, m)][name] for m in MATRICES] for b in blocks]).T  # (3, blocks)
         figure = Heatmap(grid, title=f"{name} vs reference\n(mean over rows), step {step}", xticklabels=blocks,
-                         yticklabels=[m.upper() for m in MATRICES], xlabel="block", figsize=(3.0 + 0.32 * len(blocks), 3.4))
+                         yticklabels=[m.upper() for m in MATRICES], xlabel="block", ylabel="projection",
+                         colorbar_label=DRIFT_MAP_UNITS[name], figsize=(3.0 + 0.32 * len(blocks), 3.4))
         log_figure(writer, f"drift_map/{name}", step, figure, worker)
     if not local_maps:
         return
