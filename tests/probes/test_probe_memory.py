@@ -50,9 +50,17 @@ def test_probe_py_mi_peaks_no_higher_than_under_glibcs_defaults(tmp_path):
     """``probe.py mi`` on ViT-Ti/16 at 224 px (attention and MLP tensors of 30-40 MB a batch, as ViT-B/16's are
     larger still), N = 128: its peak RSS as ``probe.py`` runs it is within 5 % of glibc's defaults. (With the
     training allocator, blocks up to 256 MB from the heap and 512 MB of freed heap kept, it peaked 19 % higher:
-    1693 against 1428 MB.)"""
+    1693 against 1428 MB.)
+
+    The same command's peak is not one number: on 2 cores about one run in five peaked 110-220 MB above the
+    others (1176-1206 MB against 1300-1402 MB, in either configuration, with a fixed hash seed too), more than the
+    5 % asked, and an outlier of glibc's defaults let the training allocator (1377-1405 MB in every run) pass.
+    So each side is its lowest peak: glibc's defaults over two runs, the probe over up to three (another only
+    while the bound is not met)."""
     images = smooth_images(tmp_path / "images", 128)
     args = ["mi", "--model", "vit_tiny_patch16_224", "--images", str(images), "--num-images", "128", "--overwrite"]
-    probe = peak_resident_mb([*args, "--out", str(tmp_path / "probe")], {})
-    system = peak_resident_mb([*args, "--out", str(tmp_path / "system")], {"VITLAB_MALLOC": "system"})
-    assert probe <= 1.05 * system + 20, (probe, system)
+    system = min(peak_resident_mb([*args, "--out", str(tmp_path / "system")], {"VITLAB_MALLOC": "system"}) for _ in range(2))
+    peaks = []
+    while len(peaks) < 3 and (not peaks or min(peaks) > 1.05 * system + 20):
+        peaks.append(peak_resident_mb([*args, "--out", str(tmp_path / "probe")], {}))
+    assert min(peaks) <= 1.05 * system + 20, (peaks, system)
