@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-import matplotlib
 import matplotlib.pyplot as plt
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +16,6 @@ from vitlab.analysis.stats import AngleStats, attention_vs_angle
 from vitlab.probes.activations import add_recording_arguments, block_label, record_batches, require_attention, selected_blocks
 from vitlab.probes.attention_volume import montage_figure, montage_title, query_maps, query_voxel, rollout_maps
 from vitlab.probes.common import add_common_arguments
-from vitlab.outputs.images import hstack_panels, vstack_panels
 from vitlab.outputs.figures import heatmap_figure
 from vitlab.outputs.files import write_csv
 
@@ -70,16 +67,30 @@ def run(ctx) -> None:
     views = selected_blocks(ctx.model, args.blocks)
     show = min(args.show, stream.count)
     if show:
-        pixels, _ = next(stream.pixel_batches(show))  # (S, C, H, W) or (S, C, I, J, K)
-        draw_maps(ctx, pixels, next(stream.batches(show)), views, stream.spacing)
+        first = stream.batch(range(show))  # pixels (S, C, H, W) or (S, C, I, J, K), the model inputs, names, labels
+        draw_maps(ctx, first.pixels, first.inputs, views, stream.spacing, image_labels(first))
     token_statistics(ctx, stream, views)
 
 
 # ---------------------------------------------------------------------------------------------- maps
 
 
-def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: tuple[float, float, float] | None = None) -> None:
-    """Per selected block: images x (image, heads, head mean) map panels; rollout through all blocks.
+def image_labels(batch) -> list[str]:
+    """A row label per image: its index, file name (shortened) and class where the images have labels."""
+    out = []
+    for i, name in enumerate(batch.names):
+        stem = name.rsplit("/", 1)[-1]
+        label = f"#{i} {stem if len(stem) <= 18 else stem[:8] + '..' + stem[-8:]}"
+        if batch.labels is not None:
+            cls = int(batch.labels[i])
+            label += f"\n{batch.class_names[cls] if batch.class_names and 0 <= cls < len(batch.class_names) else f'class {cls}'}"
+        out.append(label)
+    return out
+
+
+def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: tuple[float, float, float] | None = None,
+              row_labels: list[str] | None = None) -> None:
+    """Per selected block: images x (image, heads, head mean) maps on the images; rollout through all blocks.
 
     3-D models (``spacing``: mm per voxel): per selected block and volume a montage of the query voxel's token's
     attention on three orthogonal slices (:mod:`vitlab.probes.attention_volume`), rollout the same way.
@@ -104,8 +115,12 @@ def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: t
         elif view.name in chosen:
             dense = rec.dense(view.name)  # (S, H, N, N), original token order
             maps = rollout_map(dense.flatten(0, 1), prefix, grid).reshape(dense.shape[0], dense.shape[1], *grid)  # (S, H, gh, gw)
-            panel = map_panel(pixels, torch.cat([maps, maps.mean(1, keepdim=True)], 1), args.panel_px)
-            ctx.writer.add_image(f"attention_map/{view.name} (rows: images; columns: image, heads 0-{dense.shape[1] - 1}, head mean)", panel, view.global_index)
+            columns = [f"head {h}" for h in range(dense.shape[1])] + ["head mean"]
+            what = "class token's attention to each patch" if prefix else "attention each patch receives, mean over queries"
+            fig = map_figure(pixels, torch.cat([maps, maps.mean(1, keepdim=True)], 1), columns, row_labels, f"{block_label(view)}: {what}",
+                             args.panel_px)
+            ctx.writer.add_figure(f"attention_map/{view.name} (rows: images; columns: image, heads 0-{dense.shape[1] - 1}, head mean)", fig,
+                                  view.global_index)
         factor = grid[0] // last_grid[0]
         if factor < 1 or tuple(grid) != tuple(factor * g for g in last_grid) or (factor > 1 and prefix):
             skipped = f"{view.name} has grid {grid}, not a multiple of the last grid {last_grid}"
@@ -128,24 +143,48 @@ def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: t
             ctx.writer.add_figure(f"attention_rollout/volume {s} (rows: {', '.join(labels)}; columns: axial, coronal, sagittal)", fig, 0)
     else:
         maps = rollout_map(rollout, prefix, last_grid)  # (S, gh, gw)
-        ctx.writer.add_image("attention_rollout (rows: images; columns: image, rollout)", map_panel(pixels, maps[:, None], args.panel_px), 0)
+        what = f"attention rollout through all {len(everything)} blocks" + (", class token's row" if prefix else ", mean over queries")
+        fig = map_figure(pixels, maps[:, None], ["rollout"], row_labels, what, args.panel_px, colour_label="rollout weight")
+        ctx.writer.add_figure("attention_rollout (rows: images; columns: image, rollout)", fig, 0)
     ctx.writer.flush()
 
 
-def map_panel(pixels: torch.Tensor, maps: torch.Tensor, size: int) -> np.ndarray:
-    """CHW uint8 grid: one row per image, the image then each map overlaid on it.
+def map_figure(pixels: torch.Tensor, maps: torch.Tensor, columns: list[str], row_labels: list[str] | None, title: str, size: int,
+               colour_label: str = "attention weight"):
+    """One row per image: the image, then each map drawn over it (one block per token), with a colour bar per row.
 
-    Args:
-        pixels: (S, C, H, W) images in [0, 1].
-        maps: (S, M, gh, gw) maps on the token grid.
-        size: Panel side in pixels.
+    A row shares one colour scale, from 0 to the row's largest weight, so that its heads compare; the bar gives
+    the weights. Args: ``pixels`` (S, C, H, W) images in [0, 1]; ``maps`` (S, M, gh, gw) on the token grid;
+    ``columns`` M titles; ``row_labels`` S labels (None: the image's index); ``size`` each panel's side in pixels.
     """
-    rows = []
-    for image, image_maps in zip(pixels, maps):
-        base = grey_rgb(image, size)  # (3, size, size) float in [0, 1]
-        panels = [to_uint8(base)] + [to_uint8(overlay(base, m)) for m in image_maps]
-        rows.append(hstack_panels(panels, gap=2))
-    return vstack_panels(rows, gap=2)
+    rows, cols = maps.shape[0], maps.shape[1] + 1
+    dpi, panel = 72, size / 72
+    left, right, top, bottom, gap = 0.8, 1.05, 0.6, 0.1, 0.08
+    width, height = left + cols * panel + (cols - 1) * gap + right, top + rows * panel + (rows - 1) * gap + bottom
+    fig = plt.figure(figsize=(width, height), dpi=dpi)  # placed by hand: constrained layout is 10x slower
+    for r in range(rows):
+        grey = grey_rgb(pixels[r], size).permute(1, 2, 0).numpy()
+        heat = maps[r].double().cpu()
+        vmax = max(float(heat.max()), 1e-12)
+        y0 = (bottom + (rows - 1 - r) * (panel + gap)) / height
+        for c in range(cols):
+            ax = fig.add_axes(((left + c * (panel + gap)) / width, y0, panel / width, panel / height))
+            ax.imshow(grey, interpolation="bilinear")
+            if c:
+                im = ax.imshow(heat[c - 1].numpy(), cmap="inferno", vmin=0.0, vmax=vmax, alpha=0.6, interpolation="nearest",
+                               extent=(-0.5, size - 0.5, size - 0.5, -0.5))
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title("image" if c == 0 else columns[c - 1], fontsize=9, pad=2)
+            if c == 0:
+                ax.set_ylabel(row_labels[r] if row_labels else f"#{r}", fontsize=8, labelpad=2)
+        cax = fig.add_axes(((left + cols * (panel + gap)) / width, y0, 0.1 / width, panel / height), label="<colorbar>")
+        bar = fig.colorbar(im, cax=cax)
+        bar.ax.tick_params(labelsize=7)
+        bar.set_label(colour_label, fontsize=8, labelpad=2)
+    fig.suptitle(title, fontsize=9, y=1 - 0.06 / height, va="top")
+    return fig
 
 
 def grey_rgb(image: torch.Tensor, size: int) -> torch.Tensor:
@@ -153,20 +192,6 @@ def grey_rgb(image: torch.Tensor, size: int) -> torch.Tensor:
     image = image.float().cpu()
     rgb = image if image.shape[0] == 3 else image.mean(0, keepdim=True).expand(3, -1, -1)
     return F.interpolate(rgb[None], size=(size, size), mode="bilinear", align_corners=False)[0].clamp(0, 1)
-
-
-def overlay(base: torch.Tensor, heat: torch.Tensor, alpha: float = 0.6) -> torch.Tensor:
-    """Blend a token-grid map (min-max scaled, inferno colours, one block per token) onto a (3, S, S) image."""
-    heat = heat.double().cpu()
-    lo, hi = heat.min(), heat.max()
-    scaled = ((heat - lo) / (hi - lo) if hi > lo else torch.zeros_like(heat)).float()
-    up = F.interpolate(scaled[None, None], size=base.shape[-2:], mode="nearest")[0, 0]  # (S, S)
-    colour = torch.from_numpy(matplotlib.colormaps["inferno"](up.numpy())[..., :3]).permute(2, 0, 1).float()
-    return (1 - alpha) * base + alpha * colour
-
-
-def to_uint8(image: torch.Tensor) -> np.ndarray:
-    return (image.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
 
 
 # ---------------------------------------------------------------------------------------------- angle and distance
