@@ -1,4 +1,4 @@
-"""The probes' shared set-ups: randomised tiny weights per family, and a folder of tiny DICOMs."""
+"""The probes' shared set-ups: randomised tiny weights per family, a folder of tiny DICOMs, the figures a probe logs."""
 
 from __future__ import annotations
 
@@ -25,3 +25,20 @@ def weights(tmp_path_factory) -> dict[str, Path]:
 def image_dir(tiny_dataset) -> Path:
     """The tiny DICOM dataset's folder (what ``--images FOLDER`` reads)."""
     return Path(tiny_dataset).parent
+
+
+@pytest.fixture
+def figures(monkeypatch) -> dict:
+    """Every figure the probes hand to TensorBoard's ``add_figure``, by tag (a tag's last), kept open to be read."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    seen = {}
+    original = SummaryWriter.add_figure
+
+    def capture(self, tag, figure, *args, **kwargs):
+        seen[tag] = figure
+        kwargs["close"] = False
+        return original(self, tag, figure, *args, **kwargs)
+
+    monkeypatch.setattr(SummaryWriter, "add_figure", capture)
+    return seen

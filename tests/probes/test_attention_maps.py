@@ -7,7 +7,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from vitlab.probes.attention import image_labels, map_figure
+from vitlab.probes.attention import map_figure
+from vitlab.probes.streams import image_labels
 from vitlab.probes.streams import ImageBatch
 
 

@@ -61,7 +61,7 @@ def _rows(path):
 
 
 @pytest.mark.slow
-def test_ablate_survey_end_to_end(tmp_path, config):
+def test_ablate_survey_end_to_end(tmp_path, config, figures):
     out = tmp_path / "ablate"
     main(["--ablate", "attention", "--ablate", "mlp+layernorm", "--config", str(config), "--num-images", "2",
           "--accuracy-images", "6", "--layers", "embed,1", *FAST, "--out", str(out)])
@@ -80,8 +80,9 @@ def test_ablate_survey_end_to_end(tmp_path, config):
     assert _steps(acc, "intact/input_error") == [0, 2]
     assert _steps(acc, "no_mlp_layernorm/passed_sigma_1_20") == [0, 2]
     assert {"accuracy/intact", "accuracy/no_attention", "no_attention/optimisation/stage0.block1/feature_error"} <= set(acc.Tags()["scalars"])
-    grid = acc.Images("inversion/depth02_stage0.block1")[0]
-    assert (grid.width, grid.height) == (4 * 130 + 2, 2 * 130 + 2)  # original | 3 variants, 2 images, 32 -> 128 px
+    assert "inversion/depth02_stage0.block1" in acc.Tags()["images"]
+    panels = [ax for ax in figures["inversion/depth02_stage0.block1"].axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == ["original", "intact", "no attention", "no mlp+layernorm"] + [""] * 4  # 2 images
     assert "inversion/curves_vs_depth" in acc.Tags()["images"]
     assert json.loads((out / "inversion.json").read_text())["variants"] == ["intact", "no attention", "no mlp+layernorm"]
 
@@ -200,7 +201,7 @@ def test_filter_math_against_independent_computations():
 
 
 @pytest.mark.slow
-def test_transplant_end_to_end(tmp_path, weights, tiny_dataset):
+def test_transplant_end_to_end(tmp_path, weights, tiny_dataset, figures):
     out = tmp_path / "transplant"
     main(["transplant", *VIT, "--weights", str(weights), "--images", str(tiny_dataset.parent), "--num-images", "2",
           "--parts", "patch_embed,pos_embed,cls_token", "--parts", "norm1@0", "--include-trained", *FAST, "--out", str(out)])
@@ -218,8 +219,10 @@ def test_transplant_end_to_end(tmp_path, weights, tiny_dataset):
     assert pick("untrained+norm1@0", "embed") == pick("untrained", "embed")  # norm1 acts after the embedding
     assert pick("untrained+norm1@0", "stage0.block0") != pick("untrained", "stage0.block0")
     acc = _events(out)
-    grid = acc.Images("inversion/depth00_embed")[0]
-    assert grid.width == 5 * 130 + 2  # original | untrained | 2 recipients | trained
+    assert "inversion/depth00_embed" in acc.Tags()["images"]
+    columns = [ax.get_title() for ax in figures["inversion/depth00_embed"].axes if ax.get_images()][:5]
+    assert [title.replace("\n", "") for title in columns] == [
+        "original", "untrained", "untrained+patch_embed,pos_embed,cls_token", "untrained+norm1@0", "trained"]
 
 
 @pytest.mark.parametrize("family", sorted(TINY_MODELS))

@@ -255,6 +255,78 @@ def update_stage_curves_figure(fig, curves: dict[str, tuple[np.ndarray, np.ndarr
     _round_y_limits(fig)
 
 
+# ------------------------------------------------------------------------------------------------ image tables
+def image_table_figure(
+    cells: Sequence[Sequence[Any]],
+    *,
+    titles: Sequence[Sequence[str]] | None = None,
+    columns: Sequence[str] | None = None,
+    row_labels: Sequence[str] | None = None,
+    notes: Sequence[Sequence[str]] | None = None,
+    title: str = "",
+    panel_px: int = 128,
+    dpi: int = 72,
+):
+    """Images in rows and columns, each named: a title over each cell (``titles``, or ``columns`` over the first
+    row's), a label left of each row, a note under each cell (its figures: errors, logits), a title over all.
+
+    ``cells``: rows of (H, W) gray or (H, W, 3) RGB arrays in [0, 1], drawn as they are (gray from black at 0 to
+    white at 1, nearest-neighbour), each in a ``panel_px`` square; ``None`` leaves a cell empty. Laid out by hand
+    (constrained layout is 10x slower): the panels keep their size whatever the text around them.
+    """
+    import textwrap
+
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    rows, cols = len(cells), max((len(row) for row in cells), default=0)
+    if titles is None and columns is not None:
+        titles = [list(columns)] + [[""] * cols for _ in range(rows - 1)]
+    chars = max(8, int(panel_px / 5.2))  # characters of 8 pt text across a panel
+    wrap = lambda text, width=chars: "\n".join(textwrap.fill(line, width) for line in str(text).split("\n")) if text else ""  # noqa: E731
+    titles = [[wrap(t) for t in row] for row in titles] if titles is not None else None
+    notes = [[wrap(n, int(chars * 8 / 7)) for n in row] for row in notes] if notes is not None else None
+    lines = lambda grid, r: max((t.count("\n") + 1 for t in grid[r] if t), default=0) if grid is not None and r < len(grid) else 0  # noqa: E731
+    panel, gap = panel_px / dpi, 0.08
+    head = [0.16 * lines(titles, r) + (0.04 if lines(titles, r) else 0) for r in range(rows)]  # inches over each row
+    foot = [0.14 * lines(notes, r) + (0.04 if lines(notes, r) else 0) for r in range(rows)]  # and under it
+    left = 0.15 + (0.16 * max(label.count("\n") + 1 for label in row_labels) if row_labels else 0)
+    width = left + cols * panel + (cols - 1) * gap + 0.15
+    wrapped_title = textwrap.fill(title, max(20, int(width * dpi / 6.2))) if title else ""
+    top = 0.1 + (0.17 * (wrapped_title.count("\n") + 1) if title else 0)
+    height = top + sum(head) + rows * panel + sum(foot) + (rows - 1) * gap + 0.1
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    y = height - top
+    for r, row in enumerate(cells):
+        y -= head[r] + panel
+        for c, image in enumerate(row):
+            if image is None:
+                continue
+            ax = fig.add_axes(((left + c * (panel + gap)) / width, y / height, panel / width, panel / height))
+            data = np.asarray(image, dtype=float)
+            ax.imshow(np.clip(data, 0.0, 1.0), cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if titles is not None and r < len(titles) and c < len(titles[r]) and titles[r][c]:
+                ax.set_title(titles[r][c], fontsize=8, pad=2)
+            if notes is not None and r < len(notes) and c < len(notes[r]) and notes[r][c]:
+                ax.set_xlabel(notes[r][c], fontsize=7, labelpad=2)
+            if c == 0 and row_labels:
+                ax.set_ylabel(row_labels[r], fontsize=8, labelpad=2)
+        y -= foot[r] + gap
+    if wrapped_title:
+        fig.suptitle(wrapped_title, fontsize=9, y=1 - 0.06 / height, va="top")
+    return fig
+
+
+def chw_to_image(tensor: Any) -> np.ndarray:
+    """(C, H, W) in [0, 1] (a tensor or an array) -> (H, W) gray for one channel, (H, W, 3) for three, the channel
+    mean otherwise: what :func:`image_table_figure` draws."""
+    data = as_array(tensor)
+    return data[0] if data.shape[0] == 1 else data.transpose(1, 2, 0) if data.shape[0] == 3 else data.mean(0)
+
+
 # ------------------------------------------------------------------------------------------- keeping, drawing
 # ---------------------------------------------------------------------------------------------- figure kinds
 class Figure:

@@ -16,6 +16,7 @@ from vitlab.analysis.stats import AngleStats, attention_vs_angle
 from vitlab.probes.activations import add_recording_arguments, block_label, record_batches, require_attention, selected_blocks
 from vitlab.probes.attention_volume import montage_figure, montage_title, query_maps, query_voxel, rollout_maps
 from vitlab.probes.common import add_common_arguments
+from vitlab.probes.streams import image_labels
 from vitlab.outputs.figures import heatmap_figure
 from vitlab.outputs.files import write_csv
 
@@ -73,19 +74,6 @@ def run(ctx) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- maps
-
-
-def image_labels(batch) -> list[str]:
-    """A row label per image: its index, file name (shortened) and class where the images have labels."""
-    out = []
-    for i, name in enumerate(batch.names):
-        stem = name.rsplit("/", 1)[-1]
-        label = f"#{i} {stem if len(stem) <= 18 else stem[:8] + '..' + stem[-8:]}"
-        if batch.labels is not None:
-            cls = int(batch.labels[i])
-            label += f"\n{batch.class_names[cls] if batch.class_names and 0 <= cls < len(batch.class_names) else f'class {cls}'}"
-        out.append(label)
-    return out
 
 
 def draw_maps(ctx, pixels: torch.Tensor, inputs: torch.Tensor, views, spacing: tuple[float, float, float] | None = None,

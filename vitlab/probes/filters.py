@@ -13,7 +13,8 @@ from vitlab import models
 from vitlab.probes.common import ProbeContext, add_common_arguments, add_model_arguments
 from vitlab.probes.streams import planar_input
 from vitlab.probes.invert import enlarge
-from vitlab.outputs.images import colorize, hstack_panels, image_grid
+from vitlab.outputs.figures import chw_to_image, image_table_figure
+from vitlab.outputs.images import image_grid
 from vitlab.outputs.files import write_csv, write_json
 
 HELP = """Patch-embedding filters (min-max grid, top PCA components) and position-embedding similarity (Attentionless article).
@@ -21,7 +22,7 @@ HELP = """Patch-embedding filters (min-max grid, top PCA components) and positio
 Each filter is scaled by its own min and max; the PCA runs over the (filters, C*P*P) matrix; the position grid shows,
 at each patch, the cosine similarity of its position embedding to all others. --compare puts a second model beside
 it: the one given with --second-checkpoint / --second-config / --second-model, else the untrained model of the same
-architecture. Writes TensorBoard images, pca.csv and filters.json.
+architecture. Writes TensorBoard figures, pca.csv and filters.json.
 
 example:
   python probe.py filters --model vit_base_patch32_224 --pretrained --compare
@@ -29,6 +30,7 @@ example:
                           --compare --second-model vit_base_patch32_224 --second-pretrained
 """
 MIN_TILE_PIXELS = 16  # small patches are enlarged (nearest) to at least this many pixels per filter
+PCA_PER_ROW = 8  # components in a row of the PCA figure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,13 +100,18 @@ def _filter_images(weight: torch.Tensor) -> torch.Tensor:
 
 
 def report(ctx: ProbeContext, label: str, model: torch.nn.Module, args: argparse.Namespace) -> dict[str, Any]:
-    """Writes the filter grid, PCA and position-embedding similarity of one model; returns its panels + summary."""
+    """Writes the filter grid, PCA and position-embedding similarity of one model; returns its figures' parts +
+    summary."""
     emb = models.embeddings(model)
     weight = emb.patch_weight.detach().cpu()  # (D, C, P, P)
     writer = ctx.writer
-    panels: dict[str, np.ndarray] = {"patch_filters": image_grid(_filter_images(weight[: args.max_filters]))}
     components, ratio = filter_pca(weight, args.components)
-    panels["pca"] = image_grid(_filter_images(components))
+    shown = min(args.max_filters, weight.shape[0])
+    parts: dict[str, Any] = {
+        "patch_filters": (grid_image(image_grid(_filter_images(weight[:shown]))),
+                          f"{label}: {shown} of {weight.shape[0]} filters ({weight.shape[1]}x{emb.patch_size[0]}x{emb.patch_size[1]})"),
+        "pca": ([chw_to_image(tile) for tile in _filter_images(components)], ratio[: len(components)].tolist()),
+    }
     summary: dict[str, Any] = {
         "label": label, "filters": weight.shape[0], "in_chans": weight.shape[1], "patch_size": list(emb.patch_size),
         "pca_explained_top": [round(float(v), 6) for v in ratio[: args.components]],
@@ -112,18 +119,72 @@ def report(ctx: ProbeContext, label: str, model: torch.nn.Module, args: argparse
     }
     if emb.pos_embed is not None:
         similarity = position_similarity(emb.pos_embed.cpu())  # (N, N)
-        cell = max(1, 256 // (emb.grid[0] * (emb.grid[0] + 1)))
-        panels["pos_similarity"] = colorize(similarity_mosaic(similarity, emb.grid), vmin=-1, vmax=1, cell=cell)
+        parts["pos_similarity"] = (similarity_mosaic(similarity, emb.grid).numpy(), tuple(emb.grid))
         summary["pos_neighbour_cosine"] = _neighbour_cosine(similarity, emb.grid)
         summary["pos_mean_cosine"] = float(similarity[~torch.eye(len(similarity), dtype=torch.bool)].mean())
     else:
         summary["pos_embed"] = "none (this family has no absolute position embedding)"
-    for name, panel in panels.items():
-        writer.add_image(f"{label}/{name}", panel, 0)
+    for name, part in parts.items():
+        writer.add_figure(f"{label}/{name}", FIGURES[name]({label: part}), 0)
     writer.add_histogram(f"{label}/filter_norms", weight.flatten(1).norm(dim=1), 0)
     rows = [{"model": label, "component": i, "explained_variance_ratio": float(v), "cumulative": float(c)}
             for i, (v, c) in enumerate(zip(ratio, ratio.cumsum(0)))]
-    return {"panels": panels, "summary": summary, "rows": rows, "weight": weight}
+    return {"parts": parts, "summary": summary, "rows": rows, "weight": weight}
+
+
+def grid_image(grid: np.ndarray) -> np.ndarray:
+    """A (3, H, W) uint8 grid -> (H, W, 3) floats in [0, 1]."""
+    return grid.transpose(1, 2, 0).astype(float) / 255.0
+
+
+def filters_figure(parts: dict[str, tuple[np.ndarray, str]]):
+    """Each model's filter grid side by side, titled with the model's label and the filters' shape."""
+    side = max(max(image.shape[:2]) for image, _ in parts.values())
+    return image_table_figure([[image for image, _ in parts.values()]], columns=[name for _, name in parts.values()],
+                              title="patch-embedding filters, each scaled from its own minimum (black) to its maximum (white)",
+                              panel_px=max(side, 200))
+
+
+def pca_figure(parts: dict[str, tuple[list[np.ndarray], list[float]]]):
+    """A row of principal components per model, each titled with its share of the filters' variance."""
+    cells, titles, labels = [], [], []
+    for name, (tiles, shares) in parts.items():
+        for start in range(0, len(tiles), PCA_PER_ROW):
+            cells.append(tiles[start:start + PCA_PER_ROW])
+            titles.append([f"PC{k + 1}\n{shares[k]:.1%}" for k in range(start, min(start + PCA_PER_ROW, len(tiles)))])
+            labels.append(name if start == 0 else "")
+    return image_table_figure(cells, titles=titles, row_labels=labels, panel_px=64,
+                              title="principal components of the patch-embedding filters (over the filters' C*P*P "
+                                    "values, centred), each scaled from its minimum (black) to its maximum (white); "
+                                    "over each, its share of the variance")
+
+
+def similarity_figure(parts: dict[str, tuple[np.ndarray, tuple[int, int]]]):
+    """Each model's position-embedding similarity mosaic (the ViT paper's figure) with one colour bar, -1 to 1."""
+    import matplotlib
+
+    from vitlab.outputs.figures import new_figure
+
+    count = len(parts)
+    fig = new_figure((4.2 * count + 1.0, 4.6), dpi=90)
+    axes = fig.subplots(1, count, squeeze=False)[0]
+    colormap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+    for ax, (name, (mosaic, grid)) in zip(axes, parts.items()):
+        im = ax.imshow(np.ma.masked_invalid(mosaic), cmap=colormap, vmin=-1.0, vmax=1.0, interpolation="nearest")
+        height, width = grid
+        ax.set_xticks([c * (width + 1) + (width - 1) / 2 for c in range(width)], labels=[str(c) for c in range(width)], fontsize=6)
+        ax.set_yticks([r * (height + 1) + (height - 1) / 2 for r in range(height)], labels=[str(r) for r in range(height)], fontsize=6)
+        ax.set_xlabel("patch column")
+        ax.set_ylabel("patch row")
+        ax.set_title(f"{name} ({height} x {width} patches)", fontsize=9)
+    bar = fig.colorbar(im, ax=list(axes), fraction=0.04 if count > 1 else 0.05)
+    bar.set_label("cosine similarity of the position embeddings")
+    fig.suptitle("position-embedding similarity: the tile at patch (row, column) shows that patch's cosine to every "
+                 "patch", fontsize=9)
+    return fig
+
+
+FIGURES = {"patch_filters": filters_figure, "pca": pca_figure, "pos_similarity": similarity_figure}
 
 
 def _neighbour_cosine(similarity: torch.Tensor, grid: tuple[int, int]) -> float:
@@ -154,9 +215,10 @@ def run(ctx: ProbeContext) -> None:
         label, model = _second_model(ctx, second_given)
         second = report(ctx, label, model, args)
         results.append(second)
-        for name in first["panels"]:
-            if name in second["panels"]:
-                ctx.writer.add_image(f"compare/{name}", hstack_panels([first["panels"][name], second["panels"][name]], gap=8), 0)
+        for name in first["parts"]:
+            if name in second["parts"]:
+                ctx.writer.add_figure(f"compare/{name}", FIGURES[name]({first["summary"]["label"]: first["parts"][name],
+                                                                        label: second["parts"][name]}), 0)
         if first["weight"].shape == second["weight"].shape:
             cosine = F.cosine_similarity(first["weight"].flatten(1).double(), second["weight"].flatten(1).double(), dim=1)
             ctx.writer.add_histogram("compare/filter_cosine", cosine, 0)

@@ -1,7 +1,7 @@
 """probe.py invert: layer representation inversion (Attentionless article), and the survey shared by ablate / transplant.
 
 A *survey* inverts the same images through several model variants (intact / ablated / transplanted) at
-each chosen layer and writes, per layer as it finishes: an image grid (rows: images; columns: original, then
+each chosen layer and writes, per layer as it finishes: a labelled figure (rows: images; columns: original, then
 one inversion per variant), scalars of every figure vs depth (one curve per variant; overlaid in the
 Custom Scalars tab), the optimisation curves, ``summary.csv`` (means over images) and
 ``inversion_images.csv`` (per image). Only blocks up to the inverted layer run (``models.forward_until``).
@@ -24,8 +24,8 @@ from torch import nn
 from vitlab import models
 from vitlab.analysis.inversion import SEED_SIGMAS, InversionResult, invert, sigma_label, with_normalization
 from vitlab.probes.common import ProbeContext, add_common_arguments, progress
-from vitlab.probes.streams import ImageBatch
-from vitlab.outputs.images import image_grid
+from vitlab.probes.streams import ImageBatch, image_labels
+from vitlab.outputs.figures import chw_to_image, image_table_figure
 from vitlab.outputs.files import write_csv, write_json
 
 HELP = """Invert layer representations (Attentionless article): find an image whose layer output matches the original's.
@@ -37,8 +37,7 @@ Adam + cosine learning rate, TV regulariser, early stop when the criterion holds
 example:
   python probe.py invert --checkpoint runs/quickstart/version_0/checkpoints/last.ckpt --layers embed,0,5,11
 """
-DISPLAY_MIN_SIDE = 128  # images smaller than this are enlarged (nearest) in the grids
-PANEL_NOTE = "image grids: one row per image; columns = original, then the inversion of each variant: {}"
+DISPLAY_MIN_SIDE = 128  # images smaller than this are drawn larger (nearest) in the figures
 
 
 def add_inversion_arguments(parser: argparse.ArgumentParser, default_layers: str = "all") -> None:
@@ -146,22 +145,22 @@ def run_survey(ctx: ProbeContext, images: ImageBatch, variants: list[Variant], l
         "sigmas_reported": sigmas, "noise_draws": args.noise_draws, "early_stop": not args.no_early_stop,
         "parametrization": "clamp (projected Adam in pixel units [0, 1])", "seed": args.seed})
     writer.add_custom_scalars(_layout(variants, sigmas))
-    writer.add_text("inversion/columns", PANEL_NOTE.format(", ".join(v.name for v in variants)))
     pixels = images.pixels.to(ctx.device)  # (N, C, H, W)
     summary: list[dict[str, Any]] = []
     per_image: list[dict[str, Any]] = []
     for layer in progress(layers, desc="inverting layers", total=len(layers)):
-        columns = [images.pixels]
+        columns, results = [images.pixels], []
         for variant in variants:
             result = invert_layer(variant, layer, pixels, args)
             columns.append(result.image.cpu())
             rows = result.per_image()
+            results.append(rows)
             per_image += [{"variant": variant.name, "layer": layer.name, "depth": layer.depth, "image": name, **row}
                           for name, row in zip(images.names, rows)]
             summary.append({"variant": variant.name, "layer": layer.name, "depth": layer.depth, **_mean_row(rows)})
             _log_layer(writer, variant, layer, result, summary[-1])
-        tiles = enlarge(torch.stack(columns, dim=1).flatten(0, 1))  # (N * (1 + V), C, H', W') row-major per image
-        writer.add_image(f"inversion/depth{layer.depth:02d}_{layer.name}", image_grid(tiles, ncol=len(columns)), layer.depth)
+        writer.add_figure(f"inversion/depth{layer.depth:02d}_{layer.name}",
+                          inversion_figure(layer, images, variants, columns, results, float(args.sigma)), layer.depth)
         write_csv(ctx.out / "summary.csv", summary)
         write_csv(ctx.out / "inversion_images.csv", per_image)
         writer.flush()
@@ -169,6 +168,31 @@ def run_survey(ctx: ProbeContext, images: ImageBatch, variants: list[Variant], l
         writer.add_figure("inversion/curves_vs_depth", _depth_figure(summary, sigmas))
         print_summary(summary, sigmas)
     return summary
+
+
+def inversion_figure(layer: Layer, images: ImageBatch, variants: list[Variant], columns: list[torch.Tensor],
+                     results: list[list[dict[str, Any]]], sigma: float):
+    """One row per image: the original, then each variant's inversion at ``layer``, each under its feature error
+    against the noise baseline at ``sigma`` and whether it passed (the criterion: feature error below the baseline).
+
+    ``columns``: the originals and each variant's inversions, (N, C, H, W) in [0, 1]; ``results``: each variant's
+    :meth:`~vitlab.analysis.inversion.InversionResult.per_image` rows.
+    """
+    label = sigma_label(sigma)
+    cells = [[chw_to_image(column[i]) for column in columns] for i in range(len(images.names))]
+    notes = [[""] + [_note(rows[i], label) for rows in results] for i in range(len(images.names))]
+    side = max(images.pixels.shape[-2:])
+    title = (f"inversions at {layer.name} (depth {layer.depth}); under each, its relative feature and input errors "
+             f"and the noise baseline at sigma {label.removeprefix('sigma_').replace('_', '/')}")
+    return image_table_figure(cells, columns=["original", *[v.name for v in variants]], row_labels=image_labels(images),
+                              notes=notes, title=title, panel_px=max(DISPLAY_MIN_SIDE, side))
+
+
+def _note(row: dict[str, Any], label: str) -> str:
+    """An inversion's figures under it: feature error against the noise baseline (passed: below it), input error."""
+    passed = row[f"passed_{label}"]
+    return (f"feature error {row['feature_error']:.3f}\n{'<' if passed else '>='} noise {row[f'noise_error_{label}']:.3f}: "
+            f"{'passed' if passed else 'not passed'}\ninput error {row['input_error']:.3f}")
 
 
 def enlarge(images: torch.Tensor, min_side: int = DISPLAY_MIN_SIDE) -> torch.Tensor:
@@ -230,9 +254,10 @@ def _depth_figure(summary: list[dict[str, Any]], sigmas: list[float]):
         axes[2].plot(depth, [row[f"passed_{label}"] for row in rows], "o-", color=line.get_color(), label=name)
     titles = ("input error ||a-a_g||/||a||", "feature error (solid) vs noise baseline",
               f"fraction passed ({sigma_label(sigmas[0])})")
-    for ax, title in zip(axes, titles):
+    for ax, title, ylabel in zip(axes, titles, ("relative error", "relative error", "fraction of the images")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("depth (0 = embed, l+1 = after block l)")
+        ax.set_ylabel(ylabel)
     axes[1].set_yscale("log")
     axes[2].set_ylim(-0.05, 1.05)
     axes[1].legend(fontsize=6)

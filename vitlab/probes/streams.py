@@ -46,6 +46,19 @@ class ImageBatch:
     mask_classes: list[str] | None = None  # names of the mask values 1..K
 
 
+def image_labels(batch) -> list[str]:
+    """A row label per image: its index, file name (shortened) and class where the images have labels."""
+    out = []
+    for i, name in enumerate(batch.names):
+        stem = name.rsplit("/", 1)[-1]
+        label = f"#{i} {stem if len(stem) <= 18 else stem[:8] + '..' + stem[-8:]}"
+        if batch.labels is not None:
+            cls = int(batch.labels[i])
+            label += f"\n{batch.class_names[cls] if batch.class_names and 0 <= cls < len(batch.class_names) else f'class {cls}'}"
+        out.append(label)
+    return out
+
+
 @dataclass
 class ImageStream:
     """The probe images of :func:`load_images`, read on demand: memory holds one batch, not all N images."""

@@ -20,6 +20,7 @@ from vitlab.analysis.inversion import with_normalization
 from vitlab.probes.common import ProbeContext, add_common_arguments, progress
 from vitlab.probes.streams import planar_input
 from vitlab.probes.invert import enlarge
+from vitlab.outputs.figures import chw_to_image, image_table_figure
 from vitlab.outputs.images import image_grid
 from vitlab.outputs.files import write_csv
 
@@ -150,6 +151,27 @@ def _neurons(model, specs: list[str] | None, probe_input: torch.Tensor) -> dict[
     return chosen
 
 
+PER_ROW = 8  # images in a row of the final figure
+CURVE_NAMES = {"logit": "logit", "probability": "p", "activation": "activation"}
+
+
+def final_figure(group: str, names: list[str], result: VisResult, final_keys: tuple[str, ...], target: float):
+    """The optimisation's final images, each titled with its target and its final values (logit and probability
+    of the class, or the unit's mean activation), at most :data:`PER_ROW` a row."""
+    cells, titles = [], []
+    for k, name in enumerate(names):
+        if k % PER_ROW == 0:
+            cells.append([])
+            titles.append([])
+        cells[-1].append(chw_to_image(result.image[k]))
+        values = ", ".join(f"{CURVE_NAMES.get(key, key)} {float(result.curves[key][-1, k]):.3g}" for key in final_keys)
+        titles[-1].append(f"{name}\n{values}")
+    steps = next(iter(result.curves.values())).shape[0]
+    what = (f"inputs driving each class's logit to {target:g}" if group == "class"
+            else f"inputs maximising each MLP hidden unit of {group.removeprefix('neuron/')} (patch-token mean after GELU)")
+    return image_table_figure(cells, titles=titles, title=f"{what}, after {steps} steps", panel_px=max(128, max(result.image.shape[-2:])))
+
+
 def _write(ctx: ProbeContext, group: str, names: list[str], result: VisResult, final_keys: tuple[str, ...],
            rows: list[dict[str, Any]]) -> None:
     """Snapshots (slider over steps), per-step curves and a final grid of one optimisation; appends its
@@ -164,7 +186,7 @@ def _write(ctx: ProbeContext, group: str, names: list[str], result: VisResult, f
         for step in range(0, steps, stride):
             for k, name in enumerate(names):
                 writer.add_scalar(f"{group}/{name}/{key}", float(curve[step, k]), step + 1)
-    writer.add_image(f"{group}/all_final", image_grid(enlarge(result.image)), steps)
+    writer.add_figure(f"{group}/all_final", final_figure(group, names, result, final_keys, ctx.args.target), steps)
     rows += [{"kind": group.split("/")[0], "group": group, "target": name, "steps": steps,
               **{f"final_{key}": float(result.curves[key][-1, k]) for key in final_keys}}
              for k, name in enumerate(names)]
