@@ -28,17 +28,22 @@ def image_dir(tiny_dataset) -> Path:
 
 
 @pytest.fixture
-def figures(monkeypatch) -> dict:
+def figures(monkeypatch):
     """Every figure the probes hand to TensorBoard's ``add_figure``, by tag (a tag's last), kept open to be read."""
     from torch.utils.tensorboard import SummaryWriter
 
-    seen = {}
+    import matplotlib.pyplot as plt
+
+    seen, kept = {}, []
     original = SummaryWriter.add_figure
 
     def capture(self, tag, figure, *args, **kwargs):
         seen[tag] = figure
+        kept.append(figure)
         kwargs["close"] = False
         return original(self, tag, figure, *args, **kwargs)
 
     monkeypatch.setattr(SummaryWriter, "add_figure", capture)
-    return seen
+    yield seen
+    for figure in kept:  # closed as add_figure would have (pyplot's figures stay open otherwise)
+        plt.close(figure)
