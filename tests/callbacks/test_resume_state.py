@@ -18,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from vitlab import random_state
 from vitlab.callbacks.runtime import RuntimeCallback, figure_from_state, figure_state
-from vitlab.outputs.figures import Heatmap, LocalDrift, SegmentationOverlay, StageCurves, confusion_matrix, render_png
+from vitlab.outputs.figures import DetectionOverlay, Heatmap, LocalDrift, SegmentationOverlay, StageCurves, confusion_matrix, render_png
 from vitlab.outputs.tensorboard import written_images
 from vitlab.runtime import FigureWorker
 
@@ -92,6 +92,9 @@ def _figures(rng: np.random.Generator) -> list:
         LocalDrift("stage0.block0", {"cosine_distance": [grid(), grid(), grid()], "euclidean": [grid(), grid(), grid()]}, 7),
         StageCurves("stage0", {"stage0.block0": (np.sort(rng.random(6))[::-1], rng.random(3), rng.random(6))}),
         SegmentationOverlay(rng.random((2, 16, 16)), rng.integers(0, 2, (2, 16, 16)), rng.integers(0, 2, (2, 16, 16)), ["lesion"]),
+        DetectionOverlay(rng.random((1, 16, 16)), [{"boxes": rng.random((2, 4)) * 16, "labels": np.array([1, 2]), "masks": rng.random((2, 16, 16)) > 0.5}],
+                         [{"boxes": rng.random((1, 4)) * 16, "labels": np.array([2]), "scores": np.array([0.7]), "masks": np.zeros((1, 16, 16), bool)}],
+                         ["lesion", "cyst"]),
     ]
 
 

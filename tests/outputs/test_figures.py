@@ -438,3 +438,44 @@ def test_every_drift_and_spectra_figure_labels_its_axes_and_colour_bars(tmp_path
     finally:
         for fig in figures.values():
             plt.close(fig)
+
+
+def test_the_segmentation_figure_names_its_columns_classes_and_each_rows_dice():
+    """Each row's Dice against scikit-learn's F1 of the class's pixels (the same quantity), the overlays against a
+    hand blend, and a legend entry per class in the class's overlay colour."""
+    import matplotlib
+    import numpy as np
+    from sklearn.metrics import f1_score
+
+    from vitlab.outputs.figures import OVERLAY_ALPHA, SegmentationOverlay
+
+    rng = np.random.default_rng(4)
+    images, truth, pred = rng.random((3, 24, 24)), rng.integers(0, 3, (3, 24, 24)), rng.integers(0, 3, (3, 24, 24))
+    truth[2], pred[2] = 0, 0  # a row with no foreground
+    pred[1][pred[1] == 2] = 1  # class 2 in the truth only: Dice 0
+    figure = SegmentationOverlay(images, truth, pred, ["lesion", "liver"], "each volume's middle slice")
+    fig = figure.build()
+    try:
+        panels = [ax for ax in fig.axes if ax.get_images()]
+        assert len(panels) == 9
+        assert [ax.get_title().split("\n")[0] for ax in panels[:3]] == ["image", "ground truth", "prediction"]
+        assert [panels[3 * r].get_ylabel() for r in range(3)] == ["#0", "#1", "#2"]
+        for r in range(2):
+            expected = ", ".join(f"{name} {f1_score(truth[r].ravel() == k, pred[r].ravel() == k):.2f}"
+                                 for k, name in ((1, "lesion"), (2, "liver")))
+            title = panels[3 * r + 2].get_title().removeprefix("prediction\n").replace("\n", " ")  # (wrapped to the panel)
+            assert title == f"Dice: {expected}"
+        assert panels[8].get_title() == "no foreground"
+        assert "each volume's middle slice" in fig._suptitle.get_text()
+        gray = (images[0] - images[0].min()) / (images[0].max() - images[0].min() + 1e-8)
+        colours = np.asarray(matplotlib.colormaps["tab10"](truth[0] % 10))[..., :3]
+        blended = np.where((truth[0] > 0)[..., None], (1 - OVERLAY_ALPHA) * gray[..., None] + OVERLAY_ALPHA * colours, gray[..., None])
+        np.testing.assert_allclose(panels[1].get_images()[0].get_array(), blended, atol=1e-12)
+        np.testing.assert_allclose(panels[0].get_images()[0].get_array(), gray, atol=1e-12)
+        legend = fig.legends[0]
+        assert [t.get_text() for t in legend.get_texts()] == ["1 lesion", "2 liver"]
+        tab = matplotlib.colormaps["tab10"]
+        for k, patch in enumerate(legend.get_patches(), 1):
+            assert patch.get_facecolor()[:3] == pytest.approx(tuple((1 - OVERLAY_ALPHA) + OVERLAY_ALPHA * np.asarray(tab(k)[:3])))
+    finally:
+        plt.close(fig)

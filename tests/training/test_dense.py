@@ -24,10 +24,9 @@ def test_dense_fit_logs_metrics_and_drift_and_resumes(task, metrics, tmp_path, m
     for tag in [*metrics, "drift/rel_frobenius/stage0.block0.q", "spectra/positive_mass/stage1.block1"]:
         assert tag in scalars, tag
     assert all(0.0 <= e.value <= 1.0 for m in metrics if not m.endswith(("loss", "_epoch")) for e in acc.Scalars(m))
-    if task == "segmentation":
-        assert any(t.startswith("val/segmentation") for t in acc.Tags()["images"])
-        # on its scalars' axis (the step of val/*), drawn as every other figure is
-        assert [e.step for e in acc.Images("val/segmentation")] == [e.step for e in acc.Scalars("val/dice")]
+    # the validation figure, on its scalars' axis (the step of val/*), drawn as every other figure is
+    figure, metric = ("val/segmentation", "val/dice") if task == "segmentation" else ("val/detection", "val/map")
+    assert [e.step for e in acc.Images(figure)] == [e.step for e in acc.Scalars(metric)]
     snap, _ = load_snapshot(run / "qkv" / "epoch_001.safetensors")  # the callbacks snapshot the backbone
     live = qkv_state(cli.model.model)
     assert snap.keys() == live.keys() and all(torch.equal(snap[k], live[k]) for k in live)
@@ -136,3 +135,55 @@ def test_segmentation_refuses_rows_with_boxes_but_no_mask(tmp_path):
     with pytest.raises(ValueError, match=r"segmentation needs a label map for every image: .*i3.png has a 'boxes' "
                                          r"cell but no 'mask' \(1 such rows\)"):
         trainer.fit(module, datamodule=dm)
+
+
+def test_the_detection_figure_draws_the_truth_and_the_detections_above_the_score_with_their_names():
+    """Boxes where the instances are (a box's x2, y2 one past its last pixel), masks blended into the image, class
+    names and scores as labels, detections under ``min_score`` left out, and the figure's batch cut to the top
+    detections with their masks at 0.5, kept on the module's device."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    from vitlab.outputs.figures import OVERLAY_ALPHA, DetectionOverlay
+    from vitlab.training.detection import FIGURE_DETECTIONS, figure_batch
+
+    gen = torch.Generator().manual_seed(5)
+    images = torch.rand(3, 1, 32, 32, generator=gen)
+    truth = [planted_targets() for _ in range(3)]
+    many = 30
+    preds = [{"boxes": torch.tensor([[3.0, 2, 12, 10]]).repeat(many, 1), "labels": torch.ones(many, dtype=torch.int64),
+              "scores": torch.linspace(0.9, 0.1, many), "masks": torch.rand(many, 1, 32, 32, generator=gen)} for _ in range(3)]
+    kept_images, kept_truth, kept_pred = figure_batch(images, truth, preds, 2)
+    assert torch.equal(kept_images, images[:2, 0]) and len(kept_truth) == len(kept_pred) == 2
+    assert FIGURE_DETECTIONS == 20 and len(kept_pred[0]["scores"]) == 20
+    assert torch.equal(kept_pred[0]["masks"], preds[0]["masks"][:20, 0] > 0.5)
+    host = lambda group: {k: v.numpy() for k, v in group.items()}  # noqa: E731
+    figure = DetectionOverlay(kept_images.numpy(), [host(t) for t in kept_truth], [host(p) for p in kept_pred], ["lesion"])
+    fig = figure.build()
+    try:
+        panels = [ax for ax in fig.axes if ax.get_images()]
+        assert len(panels) == 6
+        shown = int((kept_pred[0]["scores"] >= 0.5).sum())
+        assert shown == 15 and [ax.get_title() for ax in panels[:3]] == ["image", "ground truth\n2 instances", f"prediction (score >= 0.5)\n{shown} detections"]
+        boxes = [p for p in panels[1].patches if isinstance(p, Rectangle)]
+        assert [(b.get_x(), b.get_y(), b.get_width(), b.get_height()) for b in boxes] == [(2.5, 1.5, 9, 8), (14.5, 17.5, 14, 12)]
+        assert [t.get_text() for t in panels[2].texts] == [f"lesion {float(s):.2f}" for s in kept_pred[0]["scores"][:shown]]
+        assert [t.get_text() for t in panels[1].texts] == ["lesion", "lesion"]
+        gray = (images[0, 0].double().numpy() - float(images[0, 0].min())) / (float(images[0, 0].max() - images[0, 0].min()) + 1e-8)
+        colour = np.asarray(matplotlib.colormaps["tab10"](1)[:3])
+        expected = np.repeat(gray[..., None], 3, axis=2)
+        inside = truth[0]["masks"].sum(0).numpy() > 0
+        expected[inside] = (1 - OVERLAY_ALPHA) * expected[inside] + OVERLAY_ALPHA * colour
+        np.testing.assert_allclose(panels[1].get_images()[0].get_array(), expected, atol=1e-6)
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == ["1 lesion"]
+    finally:
+        plt.close(fig)
+    low = {"boxes": np.zeros((2, 4)), "labels": np.array([1, 1]), "scores": np.array([0.31, 0.2]), "masks": np.zeros((2, 32, 32), bool)}
+    fig = DetectionOverlay(kept_images.numpy()[:1], [host(kept_truth[0])], [low], ["lesion"]).build()
+    try:
+        panels = [ax for ax in fig.axes if ax.get_images()]
+        assert panels[2].get_title().replace("\n", " ").endswith("0 detections (top score 0.31)") and not panels[2].texts
+    finally:
+        plt.close(fig)

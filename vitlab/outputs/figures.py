@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 
 MATRICES = ("q", "k", "v")
 CONFUSION_TITLE = "validation confusion matrix"
+OVERLAY_ALPHA = 0.45  # opacity of a label map's colours over its image
 WIDEST_TICK = "-0.000888"  # the widest colour-bar tick label "{:.3g}" writes (DejaVu Sans: all digits equally wide)
 
 
@@ -266,9 +267,11 @@ def image_table_figure(
     title: str = "",
     panel_px: int = 128,
     dpi: int = 72,
+    legend: Sequence[tuple[str, Any]] = (),
 ):
     """Images in rows and columns, each named: a title over each cell (``titles``, or ``columns`` over the first
-    row's), a label left of each row, a note under each cell (its figures: errors, logits), a title over all.
+    row's), a label left of each row, a note under each cell (its figures: errors, logits), a title over all, and
+    under it a ``legend`` of (label, colour) patches (the colours of overlays).
 
     ``cells``: rows of (H, W) gray or (H, W, 3) RGB arrays in [0, 1], drawn as they are (gray from black at 0 to
     white at 1, nearest-neighbour), each in a ``panel_px`` square; ``None`` leaves a cell empty. Laid out by hand
@@ -293,7 +296,7 @@ def image_table_figure(
     left = 0.15 + (0.16 * max(label.count("\n") + 1 for label in row_labels) if row_labels else 0)
     width = left + cols * panel + (cols - 1) * gap + 0.15
     wrapped_title = textwrap.fill(title, max(20, int(width * dpi / 6.2))) if title else ""
-    top = 0.1 + (0.17 * (wrapped_title.count("\n") + 1) if title else 0)
+    top = 0.1 + (0.17 * (wrapped_title.count("\n") + 1) if title else 0) + (0.3 if legend else 0)
     height = top + sum(head) + rows * panel + sum(foot) + (rows - 1) * gap + 0.1
     fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
@@ -317,6 +320,12 @@ def image_table_figure(
         y -= foot[r] + gap
     if wrapped_title:
         fig.suptitle(wrapped_title, fontsize=9, y=1 - 0.06 / height, va="top")
+    if legend:
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor=colour, label=label) for label, colour in legend]
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False,
+                   bbox_to_anchor=(0.5, (height - top + 0.02) / height), handlelength=1.2, borderaxespad=0)
     return fig
 
 
@@ -429,36 +438,123 @@ class StageCurves(Figure):
 
 @dataclass
 class SegmentationOverlay(Figure):
-    """Rows of ``image | ground truth | prediction``: ``images`` (N, S, S) first channel, ``truth`` / ``pred``
-    (N, S, S) label maps, overlaid in colour (class i in tab10 colour i)."""
+    """Rows of ``image | ground truth | prediction``: ``images`` (N, S, S) first channel, each scaled from its own
+    minimum (black) to its maximum (white), ``truth`` / ``pred`` (N, S, S) label maps, overlaid in colour (class i
+    in tab10 colour i, named in the legend); over each row's prediction the Dice of each class in the row's truth
+    or prediction, on the pixels shown. ``view``: what the rows show (a volume's slice), in the title."""
 
     images: np.ndarray
     truth: np.ndarray
     pred: np.ndarray
     class_names: list[str] = field(default_factory=list)
+    view: str = ""
 
     def build(self):
-        rows = len(self.images)
-        fig = new_figure((6, 2 * rows))
-        axes = fig.subplots(rows, 3, squeeze=False)
         cmap = matplotlib.colormaps["tab10"]
-        for r in range(rows):
+        cells, titles = [], []
+        for r in range(len(self.images)):
             img = np.asarray(self.images[r], dtype=float)  # (S, S)
             img = (img - img.min()) / (img.max() - img.min() + 1e-8)
-            for c, (title, labels) in enumerate((("image", None), ("ground truth", self.truth[r]), ("prediction", self.pred[r]))):
-                ax = axes[r, c]
-                ax.imshow(img, cmap="gray")
-                if labels is not None:
-                    lab = np.asarray(labels)
-                    colours = cmap(lab % 10)
-                    colours[..., 3] = 0.45 * (lab > 0)
-                    ax.imshow(colours)
-                ax.set_axis_off()
-                if r == 0:
-                    ax.set_title(title, fontsize=9)
-        fig.suptitle("classes: " + ", ".join(f"{i + 1}={n}" for i, n in enumerate(self.class_names)), fontsize=8)
-        fig.tight_layout()
+            truth, pred = np.asarray(self.truth[r]), np.asarray(self.pred[r])
+            cells.append([img, self.overlay(img, truth, cmap), self.overlay(img, pred, cmap)])
+            titles.append(["", "", self.dice_text(truth, pred)])
+        titles[0] = ["image", "ground truth", f"prediction\n{titles[0][2]}"]
+        top = int(max(np.max(self.truth), np.max(self.pred), 1))
+        names = [self.class_names[k - 1] if k <= len(self.class_names) else f"class {k}" for k in range(1, max(top, len(self.class_names)) + 1)]
+        legend = [(f"{k} {name}", self.blend(np.ones(3), np.asarray(cmap(k % 10)[:3]))) for k, name in enumerate(names, 1)]
+        title = "validation images: image (min to max) | ground truth | prediction; Dice on the pixels shown"
+        return image_table_figure(cells, titles=titles, row_labels=[f"#{r}" for r in range(len(cells))],
+                                  title=title + (f"; {self.view}" if self.view else ""), legend=legend,
+                                  panel_px=max(128, int(np.asarray(self.images).shape[-1])), dpi=90)
+
+    @staticmethod
+    def blend(under: np.ndarray, colour: np.ndarray) -> np.ndarray:
+        return (1 - OVERLAY_ALPHA) * under + OVERLAY_ALPHA * colour
+
+    def overlay(self, img: np.ndarray, labels: np.ndarray, cmap) -> np.ndarray:
+        """(S, S) gray in [0, 1] with each foreground class's colour laid over it: (S, S, 3)."""
+        rgb = np.repeat(img[..., None], 3, axis=2)
+        colours = np.asarray(cmap(labels % 10))[..., :3]
+        return np.where((labels > 0)[..., None], self.blend(rgb, colours), rgb)
+
+    def dice_text(self, truth: np.ndarray, pred: np.ndarray) -> str:
+        """Dice 2|T and P| / (|T| + |P|) of each foreground class in ``truth`` or ``pred``; none: "no foreground"."""
+        parts = []
+        for k in sorted((set(np.unique(truth).tolist()) | set(np.unique(pred).tolist())) - {0}):
+            t, p = truth == k, pred == k
+            name = self.class_names[k - 1] if 0 < k <= len(self.class_names) else f"class {k}"
+            parts.append(f"{name} {2 * np.logical_and(t, p).sum() / (t.sum() + p.sum()):.2f}")
+        return "Dice: " + ", ".join(parts) if parts else "no foreground"
+
+
+@dataclass
+class DetectionOverlay(Figure):
+    """Rows of ``image | ground truth | prediction`` for instance detection: ``images`` (N, S, S) first channel,
+    each scaled from its own minimum to its maximum; per image its ground-truth and predicted instances, each a dict
+    of ``boxes`` (M, 4) x1 y1 x2 y2 in pixels, ``labels`` (M,) classes from 1, ``masks`` (M, S, S) bool (optional)
+    and, predicted, ``scores`` (M,). The predictions scoring at least ``min_score`` are drawn (box, mask, class and
+    score, in class i's tab10 colour i); over each row's prediction how many there are against the ground truth."""
+
+    images: np.ndarray
+    truth: list[dict[str, np.ndarray]]
+    pred: list[dict[str, np.ndarray]]
+    class_names: list[str] = field(default_factory=list)
+    min_score: float = 0.5
+
+    def build(self):
+        from matplotlib.patches import Rectangle
+
+        cmap = matplotlib.colormaps["tab10"]
+        shown = [{k: np.asarray(v)[np.asarray(p["scores"]) >= self.min_score] for k, v in p.items()} for p in self.pred]
+        cells, titles = [], []
+        for r, image in enumerate(self.images):
+            img = np.asarray(image, dtype=float)
+            img = (img - img.min()) / (img.max() - img.min() + 1e-8)
+            rgb = np.repeat(img[..., None], 3, axis=2)
+            cells.append([img, self.masked(rgb, self.truth[r], cmap), self.masked(rgb, shown[r], cmap)])
+            counts, scores = (len(self.truth[r]["labels"]), len(shown[r]["labels"])), np.asarray(self.pred[r]["scores"])
+            found = f"{counts[1]} detection{'s' * (counts[1] != 1)}"
+            if counts[1] == 0 and scores.size:
+                found += f" (top score {float(scores.max()):.2f})"
+            titles.append(["", f"{counts[0]} instance{'s' * (counts[0] != 1)}", found])
+        titles[0] = ["image", f"ground truth\n{titles[0][1]}", f"prediction (score >= {self.min_score:g})\n{titles[0][2]}"]
+        names = self.names()
+        legend = [(f"{k} {name}", cmap(k % 10)) for k, name in enumerate(names, 1)]
+        side = int(np.asarray(self.images).shape[-1])
+        fig = image_table_figure(cells, titles=titles, row_labels=[f"#{r}" for r in range(len(cells))], legend=legend,
+                                 title="validation images: image (min to max) | ground truth | prediction: boxes, "
+                                       "masks, class and score", panel_px=max(160, min(side, 320)), dpi=90)
+        panels = [ax for ax in fig.axes if ax.get_images()]
+        for r in range(len(cells)):
+            for c, instances in ((1, self.truth[r]), (2, shown[r])):
+                ax = panels[3 * r + c]
+                scores = instances.get("scores")
+                for i, (box, label) in enumerate(zip(np.asarray(instances["boxes"]).reshape(-1, 4), np.asarray(instances["labels"]))):
+                    x1, y1, x2, y2 = (float(v) for v in box)
+                    colour = cmap(int(label) % 10)
+                    ax.add_patch(Rectangle((x1 - 0.5, y1 - 0.5), x2 - x1, y2 - y1, fill=False, edgecolor=colour, linewidth=1.2))
+                    text = names[int(label) - 1] if 0 < int(label) <= len(names) else f"class {int(label)}"
+                    if scores is not None:
+                        text += f" {float(scores[i]):.2f}"
+                    ax.text(x1 - 0.5, y1 - 0.5, text, fontsize=6, color="white", va="bottom", ha="left", clip_on=True,
+                            bbox={"facecolor": colour, "alpha": 0.8, "pad": 0.5, "edgecolor": "none"})
         return fig
+
+    def names(self) -> list[str]:
+        labels = [int(v) for group in (*self.truth, *self.pred) for v in np.asarray(group["labels"]).reshape(-1)]
+        top = max([len(self.class_names), *labels, 1])
+        return [self.class_names[k - 1] if k <= len(self.class_names) else f"class {k}" for k in range(1, top + 1)]
+
+    @staticmethod
+    def masked(rgb: np.ndarray, instances: dict[str, np.ndarray], cmap) -> np.ndarray:
+        """``rgb`` with each instance's mask in its class's colour laid over it (later instances on top)."""
+        out = rgb.copy()
+        masks = instances.get("masks")
+        for mask, label in zip(() if masks is None else np.asarray(masks), np.asarray(instances["labels"])):
+            colour = np.asarray(cmap(int(label) % 10)[:3])
+            area = np.asarray(mask, dtype=bool)
+            out[area] = (1 - OVERLAY_ALPHA) * out[area] + OVERLAY_ALPHA * colour
+        return out
 
 
 # ------------------------------------------------------------------------------------------- keeping, drawing

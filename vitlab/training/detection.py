@@ -28,6 +28,8 @@ class DetectionModule(TaskModule):
         heads: ``"light"`` (2-core CPU sizes) or ``"full"`` (torchvision's defaults).
         head_kwargs: Overrides of :data:`vitlab.models.DETECTION_HEADS` keys (``fpn_channels``, ``anchor_base`` ...).
         class_names: Foreground class names (linked from ``data.mask_classes``).
+        grid_images: Images of the first validation batch in the validation figure, image | ground truth |
+            prediction (0 disables it).
         **kwargs: The backbone and optimiser arguments of :class:`~vitlab.training.base.TaskModule` (a timm Swin /
             ViT ``model_name``; ``weights`` a classifier's or detector's checkpoint, whose backbone is loaded).
     """
@@ -41,6 +43,7 @@ class DetectionModule(TaskModule):
         heads: str = "light",
         head_kwargs: dict[str, Any] | None = None,
         class_names: list[str] | None = None,
+        grid_images: int = 4,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -55,6 +58,7 @@ class DetectionModule(TaskModule):
         self.class_names = list(class_names) if class_names else [str(i + 1) for i in range(num_classes)]
         self.val_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")
         self.test_map = MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")
+        self._grid: tuple | None = None  # the figure's images, targets and detections (validation's first batch)
 
     def forward(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """Detections per image: ``boxes`` (N, 4), ``labels`` (N,), ``scores`` (N,), ``masks`` (N, 1, S, S)."""
@@ -85,7 +89,20 @@ class DetectionModule(TaskModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         images, targets = batch
-        self.update_metric(self.val_map, self(images), targets)
+        preds = self(images)
+        self.update_metric(self.val_map, preds, targets)
+        if batch_idx == 0 and self.hparams.grid_images:
+            self._grid = figure_batch(images, targets, preds, self.hparams.grid_images)
+
+    def validation_figures(self) -> dict[str, Any]:
+        if self._grid is None:
+            return {}
+        from vitlab.outputs.figures import DetectionOverlay
+
+        images, truth, pred = self._grid
+        host = lambda group: {k: v.cpu().numpy() for k, v in group.items()}  # noqa: E731
+        return {"val/detection": DetectionOverlay(images.cpu().float().numpy(), [host(t) for t in truth],
+                                                  [host(p) for p in pred], list(self.class_names))}
 
     def on_validation_epoch_end(self) -> None:
         values = self.summarise(self.val_map.compute(), "val")
@@ -100,3 +117,20 @@ class DetectionModule(TaskModule):
     def on_test_epoch_end(self) -> None:
         self.log_dict(self.summarise(self.test_map.compute(), "test"))
         self.test_map.reset()
+
+
+FIGURE_DETECTIONS = 20  # the most detections of an image kept for the figure (torchvision's come by score, highest first)
+
+
+def figure_batch(images: torch.Tensor, targets: list[dict], preds: list[dict], count: int) -> tuple:
+    """The first ``count`` images (first channel), their targets and their top detections (masks at 0.5), kept on
+    the device until the figure is drawn (slices and comparisons only: no wait for the GPU)."""
+    keep = lambda t, keys: {k: t[k].detach().clone() for k in keys if k in t}  # noqa: E731
+    pred = []
+    for p in preds[:count]:
+        top = {k: v[:FIGURE_DETECTIONS].detach() for k, v in p.items() if k in ("boxes", "labels", "scores", "masks")}
+        if "masks" in top:
+            top["masks"] = (top["masks"][:, 0] > 0.5) if top["masks"].ndim == 4 else top["masks"].bool()
+        pred.append({k: v.clone() for k, v in top.items()})
+    truth = [keep(t, ("boxes", "labels")) | ({"masks": t["masks"].bool()} if "masks" in t else {}) for t in targets[:count]]
+    return images[:count, 0].detach().clone(), truth, pred

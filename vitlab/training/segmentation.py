@@ -101,6 +101,7 @@ class SegmentationModule(TaskModule):
         self.outputs = {stage: EpochOutputs(functools.partial(self._update_now, stage), concatenate=False)
                         for stage in ("val", "test")}
         self._grid: tuple | None = None
+        self._grid_view = ""  # what the figure's rows show, for its title
 
     def setup(self, stage: str) -> None:
         """A manifest row with ``boxes`` but no ``mask`` has no label map to learn: one line, before any step."""
@@ -162,9 +163,11 @@ class SegmentationModule(TaskModule):
         if batch_idx == 0 and self.hparams.grid_images:
             n = self.hparams.grid_images
             grid = (images[:n].detach(), mask[:n], logits[:n].argmax(dim=1))
+            self._grid_view = ""
             if images.ndim == 5:  # volumes (B, C, I, J, K): the middle slice along k, shown as DICOM shows it (rows along j)
                 k = images.shape[-1] // 2
                 grid = tuple(t[..., k].transpose(-1, -2) for t in grid)
+                self._grid_view = f"each volume's middle slice along k (k = {k} of 0-{images.shape[-1] - 1}; rows along j)"
             # copies kept on the device until the figures are drawn (a copy to the host here would wait for the GPU)
             self._grid = tuple(t.clone() for t in grid)
 
@@ -181,7 +184,8 @@ class SegmentationModule(TaskModule):
         from vitlab.outputs.figures import SegmentationOverlay
 
         images, truth, pred = (t.cpu() for t in self._grid)
-        return {"val/segmentation": SegmentationOverlay(images[:, 0].float().numpy(), truth.numpy(), pred.numpy(), list(self.class_names))}
+        return {"val/segmentation": SegmentationOverlay(images[:, 0].float().numpy(), truth.numpy(), pred.numpy(), list(self.class_names),
+                                                        self._grid_view)}
 
     def test_step(self, batch, batch_idx: int) -> None:
         images, targets = batch
