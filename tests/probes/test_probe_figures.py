@@ -9,27 +9,17 @@ import numpy as np
 import pytest
 import torch
 
+from tests.probes.test_attentionless_probes import VIT, VIT_KWARGS, weights  # noqa: F401 (the tiny ViT and its weights)
 from vitlab import models
-from vitlab.models.testing import randomize_parameters
 from vitlab.outputs.figures import chw_to_image, image_table_figure
 from vitlab.probes import main
 
-VIT_KWARGS = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2}
-VIT = ["--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(VIT_KWARGS), "--num-classes", "3"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _panels(fig):
     return [ax for ax in fig.axes if ax.get_images()]
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    model = models.build_model("vit_tiny_patch16_224", 3, **VIT_KWARGS)
-    path = tmp_path_factory.mktemp("weights") / "trained.pt"
-    torch.save(randomize_parameters(model, seed=11).state_dict(), path)
-    return path
 
 
 def test_an_image_table_draws_each_image_as_it_is_in_a_panel_of_the_size_asked_with_its_names():
