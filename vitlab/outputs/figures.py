@@ -436,6 +436,11 @@ class StageCurves(Figure):
         update_stage_curves_figure(fig, self.curves)
 
 
+def class_names_upto(class_names: Sequence[str], top: int) -> list[str]:
+    """Names of the foreground classes 1 .. max(``top``, the names given): ``class_names[k - 1]``, else "class k"."""
+    return [class_names[k - 1] if k <= len(class_names) else f"class {k}" for k in range(1, max(top, len(class_names)) + 1)]
+
+
 @dataclass
 class SegmentationOverlay(Figure):
     """Rows of ``image | ground truth | prediction``: ``images`` (N, S, S) first channel, each scaled from its own
@@ -459,8 +464,7 @@ class SegmentationOverlay(Figure):
             cells.append([img, self.overlay(img, truth, cmap), self.overlay(img, pred, cmap)])
             titles.append(["", "", self.dice_text(truth, pred)])
         titles[0] = ["image", "ground truth", f"prediction\n{titles[0][2]}"]
-        top = int(max(np.max(self.truth), np.max(self.pred), 1))
-        names = [self.class_names[k - 1] if k <= len(self.class_names) else f"class {k}" for k in range(1, max(top, len(self.class_names)) + 1)]
+        names = class_names_upto(self.class_names, int(max(np.max(self.truth), np.max(self.pred), 1)))
         legend = [(f"{k} {name}", self.blend(np.ones(3), np.asarray(cmap(k % 10)[:3]))) for k, name in enumerate(names, 1)]
         title = "validation images: image (min to max) | ground truth | prediction; Dice on the pixels shown"
         return image_table_figure(cells, titles=titles, row_labels=[f"#{r}" for r in range(len(cells))],
@@ -482,8 +486,7 @@ class SegmentationOverlay(Figure):
         parts = []
         for k in sorted((set(np.unique(truth).tolist()) | set(np.unique(pred).tolist())) - {0}):
             t, p = truth == k, pred == k
-            name = self.class_names[k - 1] if 0 < k <= len(self.class_names) else f"class {k}"
-            parts.append(f"{name} {2 * np.logical_and(t, p).sum() / (t.sum() + p.sum()):.2f}")
+            parts.append(f"{class_names_upto(self.class_names, k)[k - 1]} {2 * np.logical_and(t, p).sum() / (t.sum() + p.sum()):.2f}")
         return "Dice: " + ", ".join(parts) if parts else "no foreground"
 
 
@@ -518,7 +521,8 @@ class DetectionOverlay(Figure):
                 found += f" (top score {float(scores.max()):.2f})"
             titles.append(["", f"{counts[0]} instance{'s' * (counts[0] != 1)}", found])
         titles[0] = ["image", f"ground truth\n{titles[0][1]}", f"prediction (score >= {self.min_score:g})\n{titles[0][2]}"]
-        names = self.names()
+        labels = [int(v) for group in (*self.truth, *self.pred) for v in np.asarray(group["labels"]).reshape(-1)]
+        names = class_names_upto(self.class_names, max([1, *labels]))
         legend = [(f"{k} {name}", cmap(k % 10)) for k, name in enumerate(names, 1)]
         side = int(np.asarray(self.images).shape[-1])
         fig = image_table_figure(cells, titles=titles, row_labels=[f"#{r}" for r in range(len(cells))], legend=legend,
@@ -533,17 +537,12 @@ class DetectionOverlay(Figure):
                     x1, y1, x2, y2 = (float(v) for v in box)
                     colour = cmap(int(label) % 10)
                     ax.add_patch(Rectangle((x1 - 0.5, y1 - 0.5), x2 - x1, y2 - y1, fill=False, edgecolor=colour, linewidth=1.2))
-                    text = names[int(label) - 1] if 0 < int(label) <= len(names) else f"class {int(label)}"
+                    text = names[int(label) - 1]
                     if scores is not None:
                         text += f" {float(scores[i]):.2f}"
                     ax.text(x1 - 0.5, y1 - 0.5, text, fontsize=6, color="white", va="bottom", ha="left", clip_on=True,
                             bbox={"facecolor": colour, "alpha": 0.8, "pad": 0.5, "edgecolor": "none"})
         return fig
-
-    def names(self) -> list[str]:
-        labels = [int(v) for group in (*self.truth, *self.pred) for v in np.asarray(group["labels"]).reshape(-1)]
-        top = max([len(self.class_names), *labels, 1])
-        return [self.class_names[k - 1] if k <= len(self.class_names) else f"class {k}" for k in range(1, top + 1)]
 
     @staticmethod
     def masked(rgb: np.ndarray, instances: dict[str, np.ndarray], cmap) -> np.ndarray:
