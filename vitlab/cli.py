@@ -206,10 +206,11 @@ def _trainer_defaults() -> dict[str, Any]:
     }
 
 
-def _report(trainer, checkpoints: list[tuple[Any, str, Any]]) -> None:
-    """The closing lines; ``checkpoints`` = (monitor, path, score) per checkpointer, taken before testing
-    (testing the best checkpoint restores the checkpointers' state as it was when that file was written)."""
-    log_dir = Path(trainer.log_dir or ".")
+def _report(log_dir: Path | None, checkpoints: list[tuple[Any, str, Any]]) -> None:
+    """The closing lines (rank 0 alone: no collective here, such as ``trainer.log_dir`` under a distributed strategy);
+    ``checkpoints`` = (monitor, path, score) per checkpointer, taken before testing (testing the best checkpoint
+    restores the checkpointers' state as it was when that file was written)."""
+    log_dir = log_dir or Path(".")
     root = log_dir.parent.parent if log_dir.parent.parent != Path("") else log_dir
     print("\nvitlab: run finished.")
     print(f"  run folder   : {log_dir}")
@@ -275,7 +276,7 @@ def _fit(task: str, model_class: type, data_class: type, args: list[str] | dict[
         best = cli.trainer.checkpoint_callback and cli.trainer.checkpoint_callback.best_model_path
         cli.trainer.test(cli.model, datamodule=cli.datamodule, ckpt_path="best" if best else None)
     if cli.trainer.is_global_zero:
-        _report(cli.trainer, checkpoints)
+        _report(log_dir, checkpoints)
     return cli
 
 

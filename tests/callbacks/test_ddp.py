@@ -1,14 +1,18 @@
-"""The Q/K/V callbacks under a 2-process CPU DDP fit (gloo) equal a single-process fit from the same weights."""
+"""The Q/K/V callbacks under a 2-process CPU DDP fit (gloo) equal a single-process fit from the same weights; and
+``train.py`` under DDP as a multi-GPU run launches it (each rank a process running the script) ends on every rank."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.helpers.runs import DDP_SPAWN, TINY_SWIN, events
+from tests.helpers.runs import DDP_SPAWN, QKV_CALLBACKS, TINY_SWIN, events
 from vitlab.qkv.state import load_snapshot
 from vitlab.cli import fit
 
@@ -84,3 +88,33 @@ def test_ddp_two_processes_match_single_process(tiny_dataset, tmp_path):
         va, vb = [e.value for e in ea.Scalars(tag)], [e.value for e in eb.Scalars(tag)]
         assert [e.step for e in ea.Scalars(tag)] == [e.step for e in eb.Scalars(tag)], tag
         assert va == pytest.approx(vb, rel=1e-3, abs=1e-6), tag
+
+
+@pytest.mark.slow
+def test_train_py_under_ddp_with_a_process_per_rank_finishes_on_every_rank(tiny_dataset, tmp_path):
+    # Lightning's default DDP launch (``strategy: ddp``, as on several GPUs): train.py runs again once per rank. Only
+    # rank 0 prints the closing report, so it must not call a collective (``trainer.log_dir`` broadcasts): rank 0
+    # used to wait there for ranks that had already left, and died of the closed connection (or hung, with NCCL).
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {"max_epochs": 1, "accelerator": "cpu", "devices": 2, "strategy": "ddp", "limit_train_batches": 1,
+                    "num_sanity_val_steps": 0, "enable_progress_bar": False, "enable_model_summary": False,
+                    "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": str(tmp_path), "name": "ddp", "default_hp_metric": False}},
+                    "callbacks": QKV_CALLBACKS},
+        "model": {**TINY_SWIN, "lr": 1e-2, "warmup_epochs": 0.0},
+        "runtime": {"workers": 0, "threads": 1},
+        "data": {"root": str(tiny_dataset), "image_size": 32, "batch_size": 8, "augment": "none", "val_fraction": 0.5},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "train.py", "--config", str(path)], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("vitlab: run finished.") == 1, done.stdout
+    run = tmp_path / "ddp" / "version_0"
+    assert f"run folder   : {run}" in done.stdout
+    assert [p.name for p in (tmp_path / "ddp").iterdir()] == ["version_0"]
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "qkv" / "epoch_001.safetensors").is_file()
