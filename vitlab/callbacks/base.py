@@ -13,13 +13,21 @@ from vitlab.qkv.worker import QKVWorker
 
 
 def check_strategy(trainer: Any, owner: str) -> None:
-    """Refuse strategies whose sharded weights this callback cannot read yet (one clear line)."""
+    """Refuse strategies whose sharded weights this callback cannot read (one clear line): FSDP1 and DeepSpeed.
+    Weights sharded with FSDP2 (Lightning's ``ModelParallelStrategy``, :func:`vitlab.models.shard`) are read."""
     name = type(getattr(trainer, "strategy", None)).__name__
     if "FSDP" in name or "DeepSpeed" in name:
         raise RuntimeError(
-            f"{owner} does not support {name} yet (weights are sharded across ranks); "
-            "use strategy ddp / ddp_spawn / auto, or remove the callback"
+            f"{owner} does not support {name} (weights sharded in a way it cannot read); shard with FSDP2 instead "
+            "(strategy: pytorch_lightning.strategies.ModelParallelStrategy with init_args data_parallel_size: <devices>, "
+            "tensor_parallel_size: 1, save_distributed_checkpoint: false), use ddp / auto, or remove the callback"
         )
+
+
+def loads_after_fit_start(trainer: Any) -> bool:
+    """Whether the strategy loads a resumed fit's checkpoint only after ``on_fit_start`` (it does not say yet, then,
+    whether there is one: ``trainer.ckpt_path`` is set when it loads)."""
+    return bool(trainer.strategy.restore_checkpoint_after_setup)
 
 
 def snapshot_dir(trainer: Any, subdir: str = "qkv") -> Path:
@@ -64,6 +72,19 @@ class EpochCallback:
             require_tensorboard(trainer, owner)
         self._dir = snapshot_dir(trainer)  # collective under DDP: every rank calls it
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not loads_after_fit_start(trainer):
+            self.fit_start(trainer, pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if loads_after_fit_start(trainer):
+            self.fit_start(trainer, pl_module)
+
+    def fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """The callback's work as the fit starts, with a resumed fit's checkpoint (weights and this callback's state)
+        loaded: at ``on_fit_start``, or at ``on_train_start`` under strategies that load the checkpoint after
+        ``on_fit_start`` (sharded ones: ModelParallelStrategy, FSDP, DeepSpeed)."""
+
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """A checkpoint never exists before the work of the epochs it covers is on disk: the run's checkpoint writer
         waits for it on its own thread (:class:`vitlab.checkpoint_writer.BackgroundCheckpointIO`); any other writer
@@ -81,15 +102,23 @@ class EpochCallback:
         finish_epoch_work(trainer, raise_errors=False)
 
 
-def shared_capture(trainer: Any, pl_module: Any) -> QKVCapture:
-    """The Q/K/V weights of this optimizer step, captured once for every Q/K/V callback that asks at this step."""
+def shared_capture(trainer: Any, pl_module: Any) -> QKVCapture | None:
+    """The Q/K/V weights of this optimizer step on rank 0, captured once for every Q/K/V callback that asks at this
+    step; None on the other ranks.
+
+    Call it on every rank at the same points (the callbacks decide whether to act from state every rank holds alike):
+    a network sharded across the ranks (:func:`vitlab.models.shard`) is gathered block by block for the copy, a
+    collective the other ranks join without copying; an unsharded one is read on rank 0 alone."""
     model = unwrap(pl_module)
+    zero = trainer.is_global_zero
+    if not zero and not models.is_sharded(model):
+        return None
     capture = getattr(trainer, "_vitlab_qkv_capture", None)
     if capture is None or capture.step != trainer.global_step or capture.model is not model:
-        capture = QKVCapture(model, trainer.global_step)
+        capture = QKVCapture(model, trainer.global_step, keep=zero)
         capture.model = model
         trainer._vitlab_qkv_capture = capture
-    return capture
+    return capture if zero else None
 
 
 def qkv_worker(trainer: Any, pl_module: Any) -> QKVWorker:

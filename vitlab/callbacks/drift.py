@@ -49,11 +49,11 @@ class QKVDrift(EpochCallback, pl.Callback):
         self._ref: dict[str, torch.Tensor] | None = None
         self._prev: dict[str, torch.Tensor] | None = None
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
+    def fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        capture = shared_capture(trainer, pl_module)  # (every rank: None where nothing is written)
+        if capture is None:
             return
         assert self._dir is not None
-        capture = shared_capture(trainer, pl_module)
         current = capture.tensors  # (beside the weights: the drift is computed there)
         if self.reference_file and Path(self.reference_file).is_file():
             reference, _ = load_snapshot(self.reference_file)  # resumed: the same reference as before
@@ -73,9 +73,12 @@ class QKVDrift(EpochCallback, pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         completed = trainer.current_epoch + 1
-        if completed % self.every_n_epochs or not trainer.is_global_zero or completed in self.logged_epochs:
+        if completed % self.every_n_epochs or completed in self.logged_epochs:
             return
-        capture = shared_capture(trainer, pl_module)
+        self.logged_epochs.append(completed)
+        capture = shared_capture(trainer, pl_module)  # (every rank: None where nothing is written)
+        if capture is None:
+            return
         current, reference, previous = capture.tensors, self._ref, self._prev
         heads = head_counts(capture.model)
         writer = tensorboard_writer(trainer)
@@ -88,7 +91,6 @@ class QKVDrift(EpochCallback, pl.Callback):
                                                                    local_maps, figures, worker, tables))
         write_layout_once(trainer)
         self._prev = current
-        self.logged_epochs.append(completed)
 
     def tensorboard_layout(self) -> dict[str, Any]:
         return drift_layout()

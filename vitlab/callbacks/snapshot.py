@@ -43,7 +43,7 @@ class QKVSnapshot(EpochCallback, pl.Callback):
     def state_key(self) -> str:
         return self._generate_state_key(every_n_epochs=self.every_n_epochs, dtype=self.dtype)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write(trainer, pl_module, epoch=0)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -60,9 +60,9 @@ class QKVSnapshot(EpochCallback, pl.Callback):
         # a file not in ``written`` was left by a run killed before its next checkpoint: the epoch is being
         # re-run, so its snapshot is rewritten with the weights of the run that continues
         self.written.append(epoch)
-        if not trainer.is_global_zero:
-            return
         capture = shared_capture(trainer, pl_module)  # (the copy reaches the host and the disk on the Q/K/V worker)
+        if capture is None:  # (a rank that writes nothing: it only joined a sharded network's gathers)
+            return
         dtype = _DTYPES[self.dtype]
         metadata = {
             "model": str(pl_module.hparams.get("model_name", type(capture.model).__name__)) if hasattr(pl_module, "hparams") else type(capture.model).__name__,

@@ -49,7 +49,7 @@ class QKSpectra(EpochCallback, pl.Callback):
         self.write_csv = write_csv
         self.logged_epochs: list[int] = []
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(trainer, pl_module, epoch=0)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -58,9 +58,12 @@ class QKSpectra(EpochCallback, pl.Callback):
             self._log(trainer, pl_module, epoch=completed)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
-        if not trainer.is_global_zero or epoch in self.logged_epochs:
+        if epoch in self.logged_epochs:
             return
-        capture = shared_capture(trainer, pl_module)
+        self.logged_epochs.append(epoch)
+        capture = shared_capture(trainer, pl_module)  # (every rank: None where nothing is written)
+        if capture is None:
+            return
         heads = head_counts(capture.model)
         writer = tensorboard_writer(trainer)
         table = self._dir / f"spectra_epoch_{epoch:03d}.csv" if self.write_csv and self._dir else None
@@ -76,7 +79,6 @@ class QKSpectra(EpochCallback, pl.Callback):
 
         submit_epoch_work(trainer, pl_module, report)
         write_layout_once(trainer)
-        self.logged_epochs.append(epoch)
 
     def tensorboard_layout(self) -> dict[str, Any]:
         return spectra_layout()

@@ -44,6 +44,7 @@ from vitlab.models.dino import drop_classifier, feature_dim, pooled_features
 from vitlab.models.errors import PretrainedWeightsUnavailable, UnsupportedModelError, WeightsMismatchError
 from vitlab.models.optim import freeze, layer_ids, parameter_groups
 from vitlab.models.registry import families_table, supported_families
+from vitlab.models.sharding import is_sharded, shard, unsharded, whole_blocks
 from vitlab.models.transplant import TransplantReport, transplant, transplant_parts
 from vitlab.models.weights import LoadReport, load_weights, read_state_dict
 
@@ -83,6 +84,7 @@ __all__ = [
     "freeze",
     "input_size",
     "is_compiled",
+    "is_sharded",
     "layer_ids",
     "load_weights",
     "normalization",
@@ -95,9 +97,12 @@ __all__ = [
     "record_attention",
     "restore",
     "select_blocks",
+    "shard",
     "supported_families",
     "transplant",
     "transplant_parts",
+    "unsharded",
+    "whole_blocks",
 ]
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "Embeddings",
     "FamilyAdapter",
     "conv_embeddings",
+    "plain_type",
     "unwrap_model",
     "window_slot_tokens",
 ]
@@ -285,6 +286,20 @@ def conv_embeddings(conv: nn.Conv2d, grid: tuple[int, int], pos_embed: Optional[
         patch_weight=weight, patch_bias=None if conv.bias is None else conv.bias.detach(), pos_embed=pos_embed,
         cls_token=cls_token, num_prefix_tokens=num_prefix_tokens, grid=grid, patch_size=_pair(conv.kernel_size),
     )
+
+
+def plain_type(module: nn.Module) -> type:
+    """The module's own class, also once FSDP2's ``fully_shard`` has given it its subclass (``FSDP<Name>``, of
+    ``FSDPModule`` and the class): the family checks compare exact classes, so that a subclass with another forward
+    is not taken for the library's block."""
+    cls = type(module)
+    if not cls.__name__.startswith("FSDP"):
+        return cls
+    from torch.distributed.fsdp import FSDPModule
+
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(base for base in cls.__mro__ if not issubclass(base, FSDPModule))
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

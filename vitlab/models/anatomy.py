@@ -92,8 +92,8 @@ def select_blocks(model: nn.Module, selection: Optional[Union[BlockRef, Iterable
     return sorted(chosen, key=lambda view: view.global_index)
 
 
-def qkv(model: nn.Module) -> dict[str, dict[str, Tensor]]:
-    """Query/key/value weights of every block, split from the fused projection.
+def qkv(model: nn.Module, names: Optional[Iterable[str]] = None) -> dict[str, dict[str, Tensor]]:
+    """Query/key/value weights of every block (or of the blocks ``names``), split from the fused projection.
 
     Q = W[0:C'], K = W[C':2C'], V = W[2C':3C'] of the fused (3C', C) weight (C' = heads * head_dim);
     biases likewise. The tensors are detached VIEWS of the live parameters: they follow training
@@ -110,7 +110,10 @@ def qkv(model: nn.Module) -> dict[str, dict[str, Tensor]]:
     if adapter.mixer_name != "attention":
         raise ValueError(f"{adapter.description} has no query/key/value: token mixing is an MLP")
     result: dict[str, dict[str, Tensor]] = {}
+    wanted = None if names is None else set(names)
     for view in adapter.block_views(model):
+        if wanted is not None and view.name not in wanted:
+            continue
         weight, bias = adapter.qkv_projection(view.module)
         if isinstance(weight, tuple):  # separate projections (Hugging Face)
             entry = {key: matrix.detach() for key, matrix in zip("qkv", weight)}

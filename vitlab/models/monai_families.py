@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, plain_type
 
 __all__ = ["DEFAULT_VOLUME_SIZE", "MonaiSwinUNETRAdapter", "MonaiViTAdapter"]
 
@@ -106,7 +106,7 @@ def _swin_stages(encoder: nn.Module) -> list[nn.Module]:
 
 def _is_window_block(block: nn.Module, library) -> bool:
     """A windowed-attention block (MONAI 1.6 stages may hold Hyena blocks instead: no attention)."""
-    return type(block) is library.SwinTransformerBlock and type(block.attn) is library.WindowAttention
+    return plain_type(block) is library.SwinTransformerBlock and plain_type(block.attn) is library.WindowAttention
 
 
 class MonaiSwinUNETRAdapter(FamilyAdapter):
@@ -357,10 +357,10 @@ def _plain_block(block: nn.Module) -> bool:
     """A pre-norm ``TransformerBlock`` with a plain self-attention ``SABlock`` (no cross-attention, causal
     mask, relative-position term or missing output projection)."""
     blocks, attention = _library(_TRANSFORMER_BLOCK), _library(_SELF_ATTENTION)
-    if blocks is None or attention is None or type(block) is not blocks.TransformerBlock:
+    if blocks is None or attention is None or plain_type(block) is not blocks.TransformerBlock:
         return False
     attn = block.attn
-    return (type(attn) is attention.SABlock and not block.with_cross_attention and not attn.causal
+    return (plain_type(attn) is attention.SABlock and not block.with_cross_attention and not attn.causal
             and attn.rel_positional_embedding is None and attn.include_fc)
 
 

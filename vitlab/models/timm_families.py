@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from timm.layers import Attention, PatchEmbed
 from timm.models import mlp_mixer, swin_transformer, vision_transformer
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, plain_type
 from vitlab.models.timm_common import _explicit_attention, _timm_filter, _TimmPlainBlocks
 from vitlab.models.vit3d import PATCH_KEY, PatchEmbed3d, adapt_in_chans, inflate_2d_state
 
@@ -38,7 +38,7 @@ class TimmViTAdapter(_TimmPlainBlocks):
     def _standard_blocks(model: nn.Module) -> bool:
         """Whether every block is timm's pre-norm ``Block`` with the plain (ungated) fused-QKV ``Attention``."""
         return all(
-            type(block) is vision_transformer.Block and type(block.attn) is Attention
+            plain_type(block) is vision_transformer.Block and plain_type(block.attn) is Attention
             and getattr(block.attn, "gate", None) is None
             for block in model.blocks
         )
@@ -158,7 +158,7 @@ class TimmMixerAdapter(_TimmPlainBlocks):
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
         return isinstance(model, mlp_mixer.MlpMixer) and all(
-            type(block) is mlp_mixer.MixerBlock for block in model.blocks)
+            plain_type(block) is mlp_mixer.MixerBlock for block in model.blocks)
 
     def block_views(self, model: nn.Module) -> list[BlockView]:
         grid = self._grid(model)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from timm.layers import PatchEmbed
 from timm.models import beit, eva, vision_transformer_relpos as relpos
 
-from vitlab.models.adapter import BlockView, Embeddings, conv_embeddings
+from vitlab.models.adapter import BlockView, Embeddings, conv_embeddings, plain_type
 from vitlab.models.timm_common import _explicit_attention, _fused_bias, _timm_filter, _TimmPlainBlocks
 
 __all__ = ["TimmBeitAdapter", "TimmEvaAdapter", "TimmViTRelPosAdapter"]
@@ -29,6 +29,14 @@ __all__ = ["TimmBeitAdapter", "TimmEvaAdapter", "TimmViTRelPosAdapter"]
 
 def _scaled(gamma: Optional[Tensor], x: Tensor) -> Tensor:
     return x if gamma is None else gamma * x
+
+
+def _qkv_shape(attn: nn.Module) -> tuple[int, int]:
+    """(3C', C) of the fused Q/K/V projection, read from the layers' shapes (no tensor is made: the parameters may be
+    shards of a sharded network)."""
+    if getattr(attn, "qkv", None) is not None:
+        return tuple(attn.qkv.weight.shape)
+    return 3 * attn.q_proj.weight.shape[0], attn.q_proj.weight.shape[1]
 
 
 class _TimmTokenViT(_TimmPlainBlocks):
@@ -49,12 +57,12 @@ class _TimmTokenViT(_TimmPlainBlocks):
         grid, prefix = self._grid(model), self.num_prefix_tokens(model)
         views = []
         for index, block in enumerate(model.blocks):
-            weight, _ = self.qkv_projection(block)
+            rows, dim = _qkv_shape(block.attn)
             heads = block.attn.num_heads
             views.append(BlockView(
                 name=f"stage0.block{index}", stage=0, index=index, global_index=index, module=block,
-                qualname=f"blocks.{index}", dim=weight.shape[1], num_heads=heads,
-                head_dim=weight.shape[0] // 3 // heads, has_attention=True, window_size=None, shift_size=None,
+                qualname=f"blocks.{index}", dim=dim, num_heads=heads,
+                head_dim=rows // 3 // heads, has_attention=True, window_size=None, shift_size=None,
                 rel_pos_table=self._rel_pos_table(block), grid=grid, num_prefix_tokens=prefix,
             ))
         return views
@@ -93,7 +101,7 @@ class TimmEvaAdapter(_TimmTokenViT):
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
         return isinstance(model, eva.Eva) and isinstance(model.patch_embed, PatchEmbed) and all(
-            type(block) is eva.EvaBlock and type(block.attn) is eva.EvaAttention for block in model.blocks)
+            plain_type(block) is eva.EvaBlock and plain_type(block.attn) is eva.EvaAttention for block in model.blocks)
 
     def qkv_projection(self, block: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
         attn = block.attn
@@ -133,7 +141,7 @@ class TimmBeitAdapter(_TimmTokenViT):
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
         return isinstance(model, beit.Beit) and isinstance(model.patch_embed, PatchEmbed) and all(
-            type(block) is beit.Block and type(block.attn) is beit.Attention for block in model.blocks)
+            plain_type(block) is beit.Block and plain_type(block.attn) is beit.Attention for block in model.blocks)
 
     def _rel_pos_table(self, block: nn.Module) -> Optional[nn.Parameter]:
         return block.attn.relative_position_bias_table
@@ -167,7 +175,7 @@ class TimmViTRelPosAdapter(_TimmTokenViT):
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
         return isinstance(model, relpos.VisionTransformerRelPos) and isinstance(model.patch_embed, PatchEmbed) \
-            and all(type(block) is relpos.RelPosBlock for block in model.blocks)
+            and all(plain_type(block) is relpos.RelPosBlock for block in model.blocks)
 
     def mixer_branch(self, block: nn.Module, h: Tensor, **kwargs) -> Tensor:
         return block.drop_path1(block.ls1(block.attn(h, **kwargs)))

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from timm.models import swin_transformer_v2 as swin2
 from timm.models import swin_transformer_v2_cr as swin2cr
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, plain_type
 from vitlab.models.timm_common import _fused_bias, _hooked, _timm_filter
 
 __all__ = ["TimmSwinV2Adapter", "TimmSwinV2CrAdapter"]
@@ -94,7 +94,7 @@ class TimmSwinV2Adapter(_TimmSwinV2Base):
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
         return isinstance(model, swin2.SwinTransformerV2) and all(
-            type(block) is swin2.SwinTransformerV2Block for layer in model.layers for block in layer.blocks)
+            plain_type(block) is swin2.SwinTransformerV2Block for layer in model.layers for block in layer.blocks)
 
     def _grid(self, block: nn.Module) -> tuple[int, int]:
         return _pair(block.input_resolution)
@@ -129,7 +129,7 @@ class TimmSwinV2CrAdapter(_TimmSwinV2Base):
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
         return isinstance(model, swin2cr.SwinTransformerV2Cr) and all(
-            type(block) is swin2cr.SwinTransformerV2CrBlock for stage in model.stages for block in stage.blocks)
+            plain_type(block) is swin2cr.SwinTransformerV2CrBlock for stage in model.stages for block in stage.blocks)
 
     def _grid(self, block: nn.Module) -> tuple[int, int]:
         return _pair(block.feat_size)

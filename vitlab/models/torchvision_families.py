@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torchvision.models import swin_transformer as tv_swin
 from torchvision.models import vision_transformer as tv_vit
 
-from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings
+from vitlab.models.adapter import BlockView, Embeddings, FamilyAdapter, _pair, conv_embeddings, plain_type
 
 __all__ = ["TorchvisionSwinAdapter", "TorchvisionSwinV2Adapter", "TorchvisionViTAdapter"]
 
@@ -146,7 +146,7 @@ class TorchvisionSwinAdapter(FamilyAdapter):
         if not isinstance(model, tv_swin.SwinTransformer):
             return False
         blocks = [block for _, stage in _tv_swin_stages(model) for block in stage]
-        return bool(blocks) and all(type(block.attn) is tv_swin.ShiftedWindowAttention for block in blocks)
+        return bool(blocks) and all(plain_type(block.attn) is tv_swin.ShiftedWindowAttention for block in blocks)
 
     def image_size(self, model: nn.Module) -> tuple[int, int]:
         return _pair(getattr(model, "image_size", DEFAULT_IMAGE_SIZE))
@@ -249,8 +249,8 @@ class TorchvisionSwinV2Adapter(TorchvisionSwinAdapter):
         if not isinstance(model, tv_swin.SwinTransformer):
             return False
         blocks = [block for _, stage in _tv_swin_stages(model) for block in stage]
-        return bool(blocks) and all(type(block) is tv_swin.SwinTransformerBlockV2
-                                    and type(block.attn) is tv_swin.ShiftedWindowAttentionV2 for block in blocks)
+        return bool(blocks) and all(plain_type(block) is tv_swin.SwinTransformerBlockV2
+                                    and plain_type(block.attn) is tv_swin.ShiftedWindowAttentionV2 for block in blocks)
 
     def block_views(self, model: nn.Module) -> list[BlockView]:
         return [replace(view, attention_form="cosine") for view in super().block_views(model)]

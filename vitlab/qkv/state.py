@@ -18,12 +18,12 @@ def unwrap(pl_module: Any) -> torch.nn.Module:
     return getattr(pl_module, "model", pl_module)
 
 
-def qkv_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The live (not copied) Q/K/V weights, biases and rel-pos tables of every attention block, under the keys of
-    :func:`qkv_state`."""
+def qkv_views(model: torch.nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The live (not copied) Q/K/V weights, biases and rel-pos tables of every attention block (or of the blocks
+    ``names``), under the keys of :func:`qkv_state`."""
     state: dict[str, torch.Tensor] = {}
-    views = models.qkv(model)
-    tables = {b.name: b.rel_pos_table for b in models.blocks(model) if b.has_attention}
+    views = models.qkv(model, names)
+    tables = {b.name: b.rel_pos_table for b in models.blocks(model) if b.has_attention and b.name in views}
     for block, parts in views.items():
         for m in MATRICES:
             state[f"{block}.{m}.weight"] = parts[m].detach()
@@ -59,19 +59,32 @@ class QKVCapture:
     pinned host memory and waits for that copy only: call it off the training thread (the Q/K/V callbacks' worker).
     Both dictionaries hold views of one flat buffer each, under :func:`qkv_state`'s keys.
 
+    Of a network sharded across ranks (:func:`vitlab.models.shard`), the blocks are made whole one at a time and each
+    block's part copied there (:func:`vitlab.models.whole_blocks`): a collective, so every rank takes the capture at
+    the same point; ``keep=False`` (the ranks that write nothing) joins the gathers and copies nothing.
+
     Args:
         model: A supported model.
         step: The optimizer step the weights belong to (for whoever shares the capture).
+        keep: Copy the weights (False: only join a sharded network's gathers; :attr:`tensors` is then empty).
     """
 
-    def __init__(self, model: torch.nn.Module, step: int = 0) -> None:
-        views = qkv_views(model)
+    def __init__(self, model: torch.nn.Module, step: int = 0, keep: bool = True) -> None:
         self.step = step
-        self.keys = list(views)
-        self.shapes = [tuple(v.shape) for v in views.values()]
-        flat = torch.cat([v.reshape(-1).float() for v in views.values()])  # (total,) one kernel on the device
-        if flat.data_ptr() in {v.data_ptr() for v in views.values()}:  # one tensor: cat may return it as it is
-            flat = flat.clone()
+        self.keys, self.shapes, parts = [], [], []
+        for names in models.whole_blocks(model):
+            if not keep:
+                continue
+            views = qkv_views(model, names)
+            self.keys += list(views)
+            self.shapes += [tuple(v.shape) for v in views.values()]
+            part = torch.cat([v.reshape(-1).float() for v in views.values()])  # one kernel on the device
+            if part.data_ptr() in {v.data_ptr() for v in views.values()}:  # one tensor: cat may return it as it is
+                part = part.clone()
+            parts.append(part)
+        if not parts:
+            parts.append(torch.zeros(0))
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # (total,)
         self.device = flat.device
         self._flat = flat
         self.tensors = self._split(flat)

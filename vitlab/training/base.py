@@ -140,7 +140,13 @@ class TaskModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """``model.compile``: compile the network's forward in place, once, as the fit sets up (after a spawned
-        process receives the module: a compiled forward does not pickle)."""
+        process receives the module: a compiled forward does not pickle).
+
+        Under Lightning's ``ModelParallelStrategy`` (its device mesh set), the network's parameters are first sharded
+        over the data-parallel ranks with FSDP2 (:func:`vitlab.models.shard`: a group per transformer block)."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None:
+            self._shard(mesh)
         if self.compile_options is not None and not models.is_compiled(self.model):
             # a symbolic batch size from the start where a split ends with a smaller batch (one compilation, not two)
             data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -149,6 +155,25 @@ class TaskModule(pl.LightningModule):
             models.compile_in_place(self.model, symbolic_batch=symbolic, **self.compile_options)
             if self._trainer is None or self._trainer.is_global_zero:
                 print(models.compile_notice(self.compile_options), file=sys.stderr)
+
+    shardable = True  # whether :meth:`configure_model` may shard ``self.model`` under ModelParallelStrategy
+
+    def _shard(self, mesh: Any) -> None:
+        """FSDP2 over the mesh's data-parallel dimension; one line for what vitlab does not do (tensor parallelism,
+        a task that does not shard, a checkpoint in pieces: runs are reopened from one file)."""
+        names = tuple(mesh.mesh_dim_names or ())
+        tensor_parallel = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+        strategy = type(self._trainer.strategy).__name__ if self._trainer is not None else "ModelParallelStrategy"
+        if tensor_parallel != 1:
+            raise ValueError(f"{strategy}: vitlab shards the network over data-parallel ranks only (FSDP2), got "
+                             f"tensor_parallel_size {tensor_parallel}: set trainer.strategy.init_args.tensor_parallel_size: 1 "
+                             "and data_parallel_size to the number of devices")
+        if not self.shardable:
+            raise ValueError(f"{strategy}: the {self.task} task does not shard its network; use strategy ddp")
+        if getattr(self._trainer.strategy, "_save_distributed_checkpoint", False) if self._trainer is not None else False:
+            raise ValueError(f"{strategy}: vitlab reopens a run from one checkpoint file: set "
+                             "trainer.strategy.init_args.save_distributed_checkpoint: false")
+        models.shard(self.model, mesh["data_parallel"] if "data_parallel" in names else mesh)
 
     def _track_best(self, values: dict[str, Any]) -> None:
         """Remember the best (max) value of each ``stage/name`` metric for the hparams table."""

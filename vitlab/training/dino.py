@@ -77,6 +77,7 @@ class DINOModule(TaskModule):
     """
 
     task = "dino"
+    shardable = False  # (its EMA teacher follows the student parameter by parameter: not written for sharded ones)
 
     def __init__(
         self,
