@@ -77,17 +77,17 @@ def unsharded(module: nn.Module) -> Iterator[nn.Module]:
             group.reshard()
 
 
-def whole_blocks(model: nn.Module) -> Iterator[list[str]]:
-    """Yields lists of block names (:func:`vitlab.models.blocks`) whose parameters are whole until the next step:
-    of a sharded network, each block alone where it is a group of its own (as :func:`shard` makes them), else every
-    block at once with the whole network gathered; of any other network, every block at once. A collective under
-    sharding: every rank iterates it to its end."""
+def whole_blocks(model: nn.Module) -> Iterator[list[str] | None]:
+    """Yields lists of block names (:func:`vitlab.models.blocks`) whose parameters are whole until the next step, None
+    for every block: of a sharded network, each block alone where it is a group of its own (as :func:`shard` makes
+    them), else every block at once with the whole network gathered; of any other network, None once. A collective
+    under sharding: every rank iterates it to its end."""
+    if not is_sharded(model):
+        yield None
+        return
     from vitlab.models.anatomy import blocks
 
     views = blocks(model)
-    if not is_sharded(model):
-        yield [view.name for view in views]
-        return
     fsdp = _fsdp_module()
     if not all(isinstance(view.module, fsdp) for view in views):
         with unsharded(model):
