@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.helpers.runs import DDP_SPAWN, QKV_CALLBACKS, TINY_SWIN, events
+from tests.helpers.runs import DDP_SPAWN, QKV_CALLBACKS, TINY_SWIN, events, train_py
 from vitlab.qkv.state import load_snapshot
 from vitlab.cli import fit
 
@@ -108,12 +105,7 @@ def test_train_py_under_ddp_with_a_process_per_rank_finishes_on_every_rank(tiny_
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "train.py", "--config", str(path)], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("vitlab: run finished.") == 1, done.stdout
+    done = train_py("--config", str(path))  # (rc 0, the closing report printed once)
     run = tmp_path / "ddp" / "version_0"
     assert f"run folder   : {run}" in done.stdout
     assert [p.name for p in (tmp_path / "ddp").iterdir()] == ["version_0"]

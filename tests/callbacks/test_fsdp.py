@@ -4,20 +4,16 @@ checkpoint is one file that reopens as the single-process run's does; a resumed 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.helpers.runs import QKV_CALLBACKS, TINY_SWIN, events
+from tests.helpers.runs import QKV_CALLBACKS, TINY_SWIN, events, train_py
 from vitlab.cli import fit
 from vitlab.qkv.state import load_snapshot
 
-REPO = Path(__file__).resolve().parents[2]
 FSDP2 = {"class_path": "pytorch_lightning.strategies.ModelParallelStrategy",
          "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "save_distributed_checkpoint": False,
                        "timeout": "0:03:00"}}
@@ -43,16 +39,6 @@ def config(manifest: Path, save_dir: Path, devices: int, batch_size: int, epochs
     path = save_dir / f"cfg{epochs}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def train_py(*args: str) -> subprocess.CompletedProcess:
-    # as a multi-GPU run starts: Lightning runs train.py again for every other rank
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("vitlab: run finished.") == 1, done.stdout
-    return done
 
 
 @pytest.mark.slow

@@ -2,11 +2,15 @@
 
 :func:`tiny_args` (a tiny Swin classifier on a DICOM manifest, Q/K/V callbacks on), :func:`dense_args` (detection or
 segmentation on the embedded synthetic data), :data:`DINO_TINY` (the DINO module's tiny arguments) and
-:data:`DDP_SPAWN` (a 2-process CPU strategy) build runs; :func:`events` and :func:`all_points` read what they logged.
+:data:`DDP_SPAWN` (a 2-process CPU strategy) build runs; :func:`train_py` runs ``train.py`` in a process of its own
+(as a distributed run starts); :func:`events` and :func:`all_points` read what they logged.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -68,6 +72,20 @@ def dense_args(task: str, save_dir: Path, epochs: int, extra: list[str] | None =
                  "image_size": 32, "batch_size": 4, "augment": "light", "val_fraction": 0.34},
     }
     return _config_args(cfg, save_dir / f"{task}.yaml", extra)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_py(*args: str) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` from the repository root, offline, as a multi-device run starts (Lightning runs the script
+    again for every other rank); asserts that it ended well and printed the closing report once (rank 0)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("vitlab: run finished.") == 1, done.stdout
+    return done
 
 
 def events(run_dir: Path) -> EventAccumulator:

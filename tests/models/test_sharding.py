@@ -98,12 +98,11 @@ def test_unsharded_is_nothing_outside_a_sharded_network():
         assert inside is model
 
 
-def _module(task: str = "classification"):
+def _module():
     from vitlab.training.classification import ClassificationModule
 
-    module = ClassificationModule(model_name="vit_tiny_patch16_224", num_classes=2,
-                                  model_kwargs=dict(img_size=32, patch_size=16, embed_dim=16, depth=1, num_heads=1))
-    return module
+    return ClassificationModule(model_name="vit_tiny_patch16_224", num_classes=2,
+                                model_kwargs=dict(img_size=32, patch_size=16, embed_dim=16, depth=1, num_heads=1))
 
 
 class Mesh(dict):  # a stand-in for Lightning's 2-D device mesh: only its names and sizes are read
@@ -127,21 +126,13 @@ def test_what_vitlab_does_not_shard_is_refused_in_one_line(tensor_parallel, dist
     assert not models.is_sharded(module.model)
 
 
-def test_dino_does_not_shard():
+def test_dino_refuses_to_shard_in_one_line():
+    pytest.importorskip("lightly")
+    from tests.helpers.runs import DINO_TINY
     from vitlab.training.dino import DINOModule
 
-    assert DINOModule.shardable is False and _module().shardable is True
-
-
-@pytest.mark.parametrize("builder", ["build_detector", "build_segmenter"])
-def test_a_sharded_detector_or_segmenter_is_read_as_its_unsharded_backbone(builder, mesh):
-    from tests.helpers.runs import DENSE_SWIN
-
-    plain = getattr(models, builder)(DENSE_SWIN["model_name"], 1, in_chans=1, image_size=32,
-                                     model_kwargs=DENSE_SWIN["model_kwargs"])
-    plain = randomize_parameters(plain, 2)
-    sharded = models.shard(copy.deepcopy(plain), mesh)
-    assert len(list(models.whole_blocks(sharded))) == len(models.blocks(plain)) == 4
-    expected, capture = qkv_state(plain), QKVCapture(sharded)
-    assert list(capture.tensors) == list(expected)
-    assert all(torch.equal(capture.tensors[k], v) for k, v in expected.items())
+    module = DINOModule(**DINO_TINY)
+    mesh = Mesh(data_parallel=SimpleNamespace(size=lambda: 2), tensor_parallel=SimpleNamespace(size=lambda: 1))
+    with pytest.raises(ValueError, match=r"^ModelParallelStrategy: the dino task does not shard its network; use strategy ddp$"):
+        module._shard(mesh)
+    assert not models.is_sharded(module.model)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from vitlab.callbacks.base import loads_after_fit_start
 from vitlab.figure_worker import FIGURE_MODES, FigureWorker
 from vitlab.runtime import available_cores
 
@@ -166,7 +167,7 @@ class RuntimeCallback(pl.Callback):
             self._skipped_files = max(self._skipped_files, int(logged))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.strategy.restore_checkpoint_after_setup:  # (then the checkpoint is loaded by now)
+        if not loads_after_fit_start(trainer):  # (then the checkpoint is loaded by now)
             self._resumed(trainer)  # (a resumed run with nothing left to train has no train start)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

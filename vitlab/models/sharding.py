@@ -36,13 +36,13 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(module, fsdp) for module in model.modules())
 
 
-def shard(model: nn.Module, mesh: Any, **options: Any) -> nn.Module:
-    """``fully_shard`` every transformer block of ``model`` over ``mesh`` (a 1-D device mesh), then ``model`` itself.
+def shard(model: nn.Module, mesh: Any) -> nn.Module:
+    """``fully_shard`` every transformer block of ``model`` over ``mesh`` (a 1-D device mesh), then ``model`` itself,
+    with ``fully_shard``'s defaults (parameters kept in their dtype; resharded after each forward).
 
     Args:
         model: A supported network (or a task network whose backbone :func:`vitlab.models.blocks` finds).
         mesh: The data-parallel ``DeviceMesh`` the parameters are sharded over.
-        **options: Further ``fully_shard`` arguments (``reshard_after_forward``, ``mp_policy``, ...), for every group.
 
     Returns:
         ``model``, sharded in place (already sharded: as it is).
@@ -54,8 +54,8 @@ def shard(model: nn.Module, mesh: Any, **options: Any) -> nn.Module:
     from vitlab.models.anatomy import blocks
 
     for view in blocks(model):
-        fully_shard(view.module, mesh=mesh, **options)
-    fully_shard(model, mesh=mesh, **options)
+        fully_shard(view.module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

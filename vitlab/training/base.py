@@ -163,15 +163,16 @@ class TaskModule(pl.LightningModule):
         a task that does not shard, a checkpoint in pieces: runs are reopened from one file)."""
         names = tuple(mesh.mesh_dim_names or ())
         tensor_parallel = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
-        strategy = type(self._trainer.strategy).__name__ if self._trainer is not None else "ModelParallelStrategy"
+        strategy = getattr(self._trainer, "strategy", None)
+        name = type(strategy).__name__ if strategy is not None else "ModelParallelStrategy"
         if tensor_parallel != 1:
-            raise ValueError(f"{strategy}: vitlab shards the network over data-parallel ranks only (FSDP2), got "
+            raise ValueError(f"{name}: vitlab shards the network over data-parallel ranks only (FSDP2), got "
                              f"tensor_parallel_size {tensor_parallel}: set trainer.strategy.init_args.tensor_parallel_size: 1 "
                              "and data_parallel_size to the number of devices")
         if not self.shardable:
-            raise ValueError(f"{strategy}: the {self.task} task does not shard its network; use strategy ddp")
-        if getattr(self._trainer.strategy, "_save_distributed_checkpoint", False) if self._trainer is not None else False:
-            raise ValueError(f"{strategy}: vitlab reopens a run from one checkpoint file: set "
+            raise ValueError(f"{name}: the {self.task} task does not shard its network; use strategy ddp")
+        if getattr(strategy, "_save_distributed_checkpoint", False):  # (Lightning keeps the setting private)
+            raise ValueError(f"{name}: vitlab reopens a run from one checkpoint file: set "
                              "trainer.strategy.init_args.save_distributed_checkpoint: false")
         models.shard(self.model, mesh["data_parallel"] if "data_parallel" in names else mesh)
 
