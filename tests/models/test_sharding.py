@@ -136,3 +136,17 @@ def test_dino_refuses_to_shard_in_one_line():
     with pytest.raises(ValueError, match=r"^ModelParallelStrategy: the dino task does not shard its network; use strategy ddp$"):
         module._shard(mesh)
     assert not models.is_sharded(module.model)
+
+
+@pytest.mark.parametrize("builder", ["build_detector", "build_segmenter"])
+def test_a_sharded_detector_or_segmenter_is_read_as_its_unsharded_backbone(builder, mesh):
+    from tests.helpers.runs import DENSE_SWIN
+
+    plain = getattr(models, builder)(DENSE_SWIN["model_name"], 1, in_chans=1, image_size=32,
+                                     model_kwargs=DENSE_SWIN["model_kwargs"])
+    plain = randomize_parameters(plain, 2)
+    sharded = models.shard(copy.deepcopy(plain), mesh)
+    assert len(list(models.whole_blocks(sharded))) == len(models.blocks(plain)) == 4
+    expected, capture = qkv_state(plain), QKVCapture(sharded)
+    assert list(capture.tensors) == list(expected)
+    assert all(torch.equal(capture.tensors[k], v) for k, v in expected.items())
